@@ -1,0 +1,216 @@
+"""A thin ``accelerate.Accelerator`` subclass that routes ``prepare`` / ``load_state`` / ``save_state`` /
+``save_model`` through the plugin's pipeline. All the work is in stages; this file only routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import accelerate
+import torch
+
+from . import _compat
+from .env import launch_env, memsafe_variables
+from .pipeline import HookContext
+from .plugin import MemSafePlugin
+
+
+def _accelerator_device_available() -> bool:
+    return torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+
+
+def _wants_cpu_fsdp2(fsdp_plugin: Any) -> bool:
+    env = launch_env()
+    if _accelerator_device_available() or env.world_size <= 1:
+        return False
+    if fsdp_plugin is not None:
+        return getattr(fsdp_plugin, "fsdp_version", 1) == 2
+    return env.use_fsdp and env.fsdp_version == 2
+
+
+def _fsdp_plugin_from_env() -> Any:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin() if launch_env().use_fsdp else None
+
+
+class MemSafeMixin:
+    """The routing shared by :class:`Accelerator` and accelerators given the plugin by ``attach``."""
+
+    memsafe_plugin: MemSafePlugin
+
+    # -- context ----------------------------------------------------------------------------------
+    def _memsafe_context(self, hook: str, args: tuple = (), kwargs: dict | None = None) -> HookContext:
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        state = self.state
+        return HookContext(
+            hook=hook,
+            rank=dist.get_rank() if initialized else 0,
+            world_size=dist.get_world_size() if initialized else 1,
+            device=self.device,
+            options=self.memsafe_plugin,
+            args=tuple(args),
+            kwargs=dict(kwargs or {}),
+            models=list(self._models),
+            optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
+            fsdp_plugin=getattr(state, "fsdp_plugin", None),
+            is_fsdp2=bool(self.is_fsdp2),
+            mixed_precision=self.mixed_precision,
+            mesh=getattr(self, "torch_device_mesh", None),
+            scratch={"parallelism_config": getattr(self, "parallelism_config", None)},
+        )
+
+    def _memsafe_finish(self) -> None:
+        path = self.memsafe_plugin.report_path
+        if path:
+            ctx_rank = self.process_index
+            self.memsafe_plugin.report.to_json(path.replace("{rank}", str(ctx_rank)))
+
+    # -- hooks --------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        ctx = self._memsafe_context("prepare", args)
+        models = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        if ctx.is_fsdp2 and (bool(models) != bool(optimizers) or len(models) > 1):
+            raise ValueError(
+                "When using FSDP2, exactly one model and its optimizer must be passed together to "
+                f"`Accelerator.prepare()` (got {len(models)} model(s), {len(optimizers)} optimizer(s))."
+            )
+        ctx.model = models[0][1] if models else None
+        ctx.optimizers = [getattr(o, "optimizer", o) for o in optimizers]
+
+        def upstream(c: HookContext) -> Any:
+            new_args = list(args)
+            if models:
+                new_args[models[0][0]] = c.model
+            groups = [[list(g["params"]) for g in o.param_groups] for o in c.optimizers]
+            plugin = c.fsdp_plugin
+            ac = getattr(plugin, "activation_checkpointing", False) if c.is_fsdp2 and c.scratch.get("sharded") else False
+            if ac:
+                plugin.activation_checkpointing = False  # already applied by `shard`, before fully_shard
+            try:
+                out = super(MemSafeMixin, self).prepare(*new_args, device_placement=device_placement)
+            finally:
+                if ac:
+                    plugin.activation_checkpointing = True
+            if c.scratch.get("sharded"):
+                # accelerate re-derives the mapping from data pointers; keep ours, which is by name.
+                for o, saved in zip(c.optimizers, groups):
+                    for g, params in zip(o.param_groups, saved):
+                        g["params"] = params
+            return out
+
+        result = self.memsafe_plugin.pipeline.run(ctx, upstream)
+        self._memsafe_finish()
+        return result
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
+        ctx = self._memsafe_context("save_state", kwargs=kwargs)
+        ctx.directory = output_dir
+
+        def upstream(c: HookContext) -> Any:
+            return super(MemSafeMixin, self).save_state(c.directory, safe_serialization=safe_serialization, **c.kwargs)
+
+        result = self.memsafe_plugin.pipeline.run(ctx, upstream)
+        self._memsafe_finish()
+        return result
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> Any:
+        ctx = self._memsafe_context("load_state", kwargs=kwargs)
+        ctx.directory = input_dir
+        ctx.scratch["load_kwargs"] = dict(load_kwargs or {})
+
+        def upstream(c: HookContext) -> Any:
+            return super(MemSafeMixin, self).load_state(c.directory, load_kwargs=c.scratch["load_kwargs"] or None, **c.kwargs)
+
+        result = self.memsafe_plugin.pipeline.run(ctx, upstream)
+        self._memsafe_finish()
+        return result
+
+    def save_model(self, model: torch.nn.Module, save_directory: str, **kwargs: Any) -> Any:
+        ctx = self._memsafe_context("save_model", kwargs=kwargs)
+        ctx.model = model
+        ctx.directory = str(save_directory)
+
+        def upstream(c: HookContext) -> Any:
+            return super(MemSafeMixin, self).save_model(c.model, c.directory, **c.kwargs)
+
+        result = self.memsafe_plugin.pipeline.run(ctx, upstream)
+        self._memsafe_finish()
+        return result
+
+
+def _select_plugin(plugins: list[Any] | None) -> MemSafePlugin | None:
+    if plugins is None:
+        return MemSafePlugin.from_env() if memsafe_variables() else None
+    found = [p for p in plugins if isinstance(p, MemSafePlugin)]
+    other = [p for p in plugins if not isinstance(p, MemSafePlugin)]
+    if other:
+        raise TypeError(
+            f"`plugins` accepts MemSafePlugin instances only, got {[type(p).__name__ for p in other]}. "
+            "Pass accelerate's own plugins by their keyword (`fsdp_plugin=...`)."
+        )
+    if len(found) > 1:
+        raise ValueError(f"`plugins` holds {len(found)} MemSafePlugin instances; pass one.")
+    return found[0] if found else None
+
+
+class Accelerator(MemSafeMixin, accelerate.Accelerator):
+    """``accelerate.Accelerator`` with ``plugins=[MemSafePlugin(...)]``. Every other argument is passed
+    through unchanged.
+
+    With no ``plugins`` argument, a plugin is built from ``ACCELERATE_MEMSAFE_*`` variables when any is
+    set (``accelerate-memsafe launch`` sets them); otherwise the default ``MemSafePlugin()`` is used.
+    On a machine without an accelerator, a multi-process FSDP2 launch runs real FSDP2 over gloo
+    (stock accelerate would silently fall back to DDP).
+
+    Example:
+        >>> # accelerator = Accelerator(plugins=[MemSafePlugin()], fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    """
+
+    def __init__(self, *args: Any, plugins: list[Any] | None = None, **kwargs: Any) -> None:
+        plugin = _select_plugin(plugins) or MemSafePlugin()
+        fsdp_plugin = kwargs.get("fsdp_plugin")
+        if fsdp_plugin is None and _wants_cpu_fsdp2(None):
+            fsdp_plugin = _fsdp_plugin_from_env()
+        cpu_fsdp2 = _wants_cpu_fsdp2(fsdp_plugin)
+        if cpu_fsdp2:
+            # Without cpu=True accelerate runs each process as a single-process job on a CPU-only machine.
+            kwargs["cpu"] = True
+            kwargs["fsdp_plugin"] = fsdp_plugin
+        super().__init__(*args, **kwargs)
+        if cpu_fsdp2:
+            _compat.promote_state_to_fsdp(fsdp_plugin)
+        self.memsafe_plugin = plugin
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def attach_plugin(accelerator: Any, plugin: MemSafePlugin, *, fsdp_plugin: Any = None) -> Any:
+    """See :meth:`MemSafePlugin.attach`."""
+    from accelerate.utils import DistributedType
+
+    if isinstance(accelerator, MemSafeMixin):
+        raise ValueError("this accelerator already has a MemSafePlugin; build a new Accelerator to change it.")
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"attach() needs an accelerate.Accelerator, got {type(accelerator).__name__}.")
+    if accelerator._models or accelerator._optimizers:
+        raise ValueError("attach() must be called before `prepare`: this accelerator already prepared objects.")
+    if fsdp_plugin is None:
+        fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None) or _fsdp_plugin_from_env()
+    if _wants_cpu_fsdp2(fsdp_plugin):
+        dtype = accelerator.state.distributed_type
+        if dtype == DistributedType.NO:
+            _compat.reinit_state_on_cpu(fsdp_plugin)
+        elif dtype == DistributedType.MULTI_CPU:
+            _compat.promote_state_to_fsdp(fsdp_plugin)
+    cls = type(accelerator)
+    sub = _SUBCLASSES.get(cls)
+    if sub is None:
+        sub = type(f"MemSafe{cls.__name__}", (MemSafeMixin, cls), {"__module__": __name__})
+        _SUBCLASSES[cls] = sub
+    accelerator.__class__ = sub
+    accelerator.memsafe_plugin = plugin
+    return accelerator

@@ -1,0 +1,125 @@
+"""Applying FSDP2 and keeping optimizers pointed at the sharded parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import _compat
+
+
+def canonical_name(name: str) -> str:
+    """Strips wrapper prefixes (activation checkpointing, ``torch.compile``) from a parameter name.
+
+    Example:
+        >>> canonical_name("layers.0._checkpoint_wrapped_module.mlp.weight")
+        'layers.0.mlp.weight'
+    """
+    name = name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
+    return name.replace("_orig_mod.", "").replace("._orig_mod", "")
+
+
+def remap_optimizer_params(optimizers: list[torch.optim.Optimizer], old: dict[str, Any], new: dict[str, Any]) -> int:
+    """Points every optimizer param group at the new (sharded) parameters, matched by name.
+
+    Args:
+        optimizers: Optimizers built on the model's original parameters.
+        old: Canonical name -> original parameter.
+        new: Canonical name -> parameter after sharding.
+
+    Returns:
+        The number of parameter slots switched.
+
+    Raises:
+        ValueError: If an optimizer holds a parameter that is not in the model, or already has state
+            (state of unsharded parameters cannot be carried over).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(2)); q = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([p], lr=0.1)
+        >>> remap_optimizer_params([opt], {"w": p}, {"w": q})
+        1
+        >>> opt.param_groups[0]["params"][0] is q
+        True
+    """
+    by_id = {id(p): n for n, p in old.items()}
+    switched = 0
+    for k, opt in enumerate(optimizers):
+        if len(opt.state) > 0:
+            raise ValueError(
+                f"optimizer #{k} already has state for {len(opt.state)} parameter(s); FSDP2 cannot carry the state "
+                "of unsharded parameters over. Build the optimizer, then call `prepare` before the first step."
+            )
+        unknown = []
+        for group in opt.param_groups:
+            params = []
+            for p in group["params"]:
+                name = by_id.get(id(p))
+                if name is None or name not in new:
+                    unknown.append(name or f"<tensor shape={tuple(p.shape)}>")
+                    params.append(p)
+                else:
+                    params.append(new[name])
+                    switched += 1
+            group["params"] = params
+        if unknown:
+            raise ValueError(
+                f"optimizer #{k} holds {len(unknown)} parameter(s) that are not parameters of the prepared model: "
+                f"{unknown[:10]}. Build the optimizer from `model.parameters()` of the model passed to `prepare`."
+            )
+    return switched
+
+
+def named_parameters_canonical(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``dict(model.named_parameters())`` with canonical names (tied parameters appear once)."""
+    return {canonical_name(n): p for n, p in model.named_parameters()}
+
+
+def shard_model(
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    fsdp_plugin: Any,
+    mixed_precision: str,
+    mesh: Any = None,
+    parallelism_config: Any = None,
+    is_main_process: bool = True,
+    device: torch.device | None = None,
+) -> torch.nn.Module:
+    """Applies ``fully_shard`` the way accelerate does and remaps the optimizers onto the DTensor params.
+
+    Parameters that are on ``meta`` stay on ``meta`` (no memory); others are moved to their shard.
+
+    Args:
+        model: The unsharded model.
+        optimizers: Optimizers built on ``model``'s parameters (may be empty).
+        fsdp_plugin: accelerate's ``FullyShardedDataParallelPlugin`` (``fsdp_version=2``).
+        mixed_precision: ``"no"``, ``"bf16"`` or ``"fp16"`` (trainable params are upcast to fp32 master
+            weights, as accelerate does).
+        mesh: Device mesh (``None``: the default 1-D mesh over the world).
+        parallelism_config: accelerate's ``ParallelismConfig`` or ``None``.
+        is_main_process: Whether this is rank 0 (for logging only).
+        device: The training device.
+
+    Returns:
+        The sharded model (the same object, now an ``FSDPModule``).
+
+    Example:
+        >>> # on every rank of an initialised process group
+        >>> # model = shard_model(model, [opt], fsdp_plugin=plugin, mixed_precision="no")
+    """
+    old = named_parameters_canonical(model)
+    if fsdp_plugin.activation_checkpointing:
+        model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
+    model = _compat.fsdp2_wrap(
+        model,
+        fsdp_plugin=fsdp_plugin,
+        mixed_precision=mixed_precision,
+        mesh=mesh,
+        parallelism_config=parallelism_config,
+        is_main_process=is_main_process,
+        device=device or torch.device("cpu"),
+    )
+    remap_optimizer_params(optimizers, old, named_parameters_canonical(model))
+    return model

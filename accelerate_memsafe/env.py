@@ -1,0 +1,59 @@
+"""The one place that reads environment variables.
+
+``ACCELERATE_MEMSAFE_<OPTION>`` carries each plugin option (written by ``accelerate-memsafe launch``);
+the launcher variables (``WORLD_SIZE``, ``LOCAL_RANK``, ``ACCELERATE_USE_FSDP``, ``FSDP_VERSION``) say how
+the process was started.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+PREFIX = "ACCELERATE_MEMSAFE_"
+
+
+def memsafe_variables(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Returns the ``ACCELERATE_MEMSAFE_*`` variables, keyed by lower-case option name.
+
+    Example:
+        >>> memsafe_variables({"ACCELERATE_MEMSAFE_BUCKET_BYTES": "1024"})
+        {'bucket_bytes': '1024'}
+    """
+    environ = os.environ if environ is None else environ
+    return {k[len(PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(PREFIX)}
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """How this process was launched, as the launcher's environment variables say."""
+
+    world_size: int
+    rank: int
+    local_rank: int
+    use_fsdp: bool
+    fsdp_version: int
+    use_cpu: bool
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Reads the launcher variables set by ``torchrun`` / ``accelerate launch``.
+
+    Example:
+        >>> launch_env({"WORLD_SIZE": "2", "RANK": "1", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}).world_size
+        2
+    """
+    environ = os.environ if environ is None else environ
+    return LaunchEnv(
+        world_size=int(environ.get("WORLD_SIZE", "1")),
+        rank=int(environ.get("RANK", "0")),
+        local_rank=int(environ.get("LOCAL_RANK", "-1")),
+        use_fsdp=_flag(environ.get("ACCELERATE_USE_FSDP")),
+        fsdp_version=int(environ.get("FSDP_VERSION", "1") or "1"),
+        use_cpu=_flag(environ.get("ACCELERATE_USE_CPU")),
+    )

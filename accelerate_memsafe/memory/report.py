@@ -1,0 +1,159 @@
+"""Stage records and the :class:`MemoryReport`: data first (dict/JSON), then a markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: Keys every record carries (the public schema of ``MemoryReport.to_dict()["records"]``).
+RECORD_KEYS = (
+    "hook",
+    "stage",
+    "rank",
+    "status",
+    "reason",
+    "wall_s",
+    "cpu_rss_peak_bytes",
+    "cpu_rss_delta_bytes",
+    "cpu_anon_peak_bytes",
+    "cpu_anon_delta_bytes",
+    "device_peak_bytes",
+    "device_delta_bytes",
+    "live_tensor_peak_bytes",
+)
+
+
+@dataclass
+class StageRecord:
+    """What one stage did on one rank at one hook point.
+
+    ``status`` is ``"ran"``, ``"skipped"`` (``reason`` says why) or ``"failed"``. ``details`` holds
+    stage-specific figures (bytes sent, buffers verified, ...). ``timeline`` holds ``[t, rss, anon]``
+    samples for plots.
+    """
+
+    hook: str
+    stage: str
+    rank: int
+    status: str
+    reason: str | None
+    wall_s: float
+    cpu_rss_peak_bytes: int | None = None
+    cpu_rss_delta_bytes: int | None = None
+    cpu_anon_peak_bytes: int | None = None
+    cpu_anon_delta_bytes: int | None = None
+    device_peak_bytes: int | None = None
+    device_delta_bytes: int | None = None
+    live_tensor_peak_bytes: int | None = None
+    cpu_rss_start_bytes: int | None = None
+    cpu_anon_start_bytes: int | None = None
+    start_s: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+    timeline: list[list[float]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageRecord":
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+class MemoryReport:
+    """The per-stage memory and time records of a run.
+
+    Example:
+        >>> report = MemoryReport()
+        >>> report.to_dict()
+        {'records': []}
+    """
+
+    def __init__(self, records: list[StageRecord] | None = None) -> None:
+        self.records: list[StageRecord] = list(records or [])
+
+    def add(self, record: StageRecord) -> None:
+        """Appends one record."""
+        self.records.append(record)
+
+    def find(self, *, hook: str | None = None, stage: str | None = None, rank: int | None = None) -> list[StageRecord]:
+        """Returns the records matching every given field."""
+        return [
+            r
+            for r in self.records
+            if (hook is None or r.hook == hook) and (stage is None or r.stage == stage) and (rank is None or r.rank == rank)
+        ]
+
+    def to_dict(self, *, timeline: bool = True) -> dict[str, Any]:
+        """Returns ``{"records": [...]}``, one plain dict per record (JSON-serialisable)."""
+        out = []
+        for r in self.records:
+            d = asdict(r)
+            if not timeline:
+                d.pop("timeline")
+            out.append(d)
+        return {"records": out}
+
+    def to_json(self, path: str | os.PathLike) -> Path:
+        """Writes :meth:`to_dict` to ``path`` (atomically: a temporary file renamed into place)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "MemoryReport":
+        """Reads a report written by :meth:`to_json`.
+
+        Raises:
+            ValueError: If the file is not a report (no ``records`` list).
+        """
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+            raise ValueError(f"{path} is not a memsafe report: expected a JSON object with a 'records' list.")
+        return cls([StageRecord.from_dict(r) for r in data["records"]])
+
+    def to_markdown(self) -> str:
+        """Renders the records as a markdown table (MiB figures, one row per hook/stage/rank)."""
+        header = (
+            "| hook | stage | rank | status | wall s | RSS peak MiB | RSS Δ MiB | anon peak MiB | anon Δ MiB "
+            "| device peak MiB | live tensors peak MiB | note |"
+        )
+        lines = [header, "|" + "---|" * 12]
+        for r in self.records:
+            note = r.reason or ", ".join(f"{k}={v}" for k, v in r.details.items() if not isinstance(v, (dict, list)))
+            lines.append(
+                f"| {r.hook} | {r.stage} | {r.rank} | {r.status} | {r.wall_s:.3f} | {_mib(r.cpu_rss_peak_bytes)} "
+                f"| {_mib(r.cpu_rss_delta_bytes)} | {_mib(r.cpu_anon_peak_bytes)} | {_mib(r.cpu_anon_delta_bytes)} "
+                f"| {_mib(r.device_peak_bytes)} | {_mib(r.live_tensor_peak_bytes)} | {note} |"
+            )
+        return "\n".join(lines)
+
+    def gather(self) -> "MemoryReport":
+        """Collects every rank's records (a collective: call it on every rank).
+
+        Returns:
+            A new report holding the records of all ranks, sorted by rank then time. Without an
+            initialised process group, a copy of this report.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return MemoryReport(list(self.records))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.to_dict())
+        records = [StageRecord.from_dict(r) for part in gathered for r in part["records"]]
+        records.sort(key=lambda r: (r.rank, r.start_s))
+        return MemoryReport(records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __repr__(self) -> str:
+        return f"MemoryReport({len(self.records)} records)"

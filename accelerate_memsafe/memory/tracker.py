@@ -1,0 +1,108 @@
+"""A dispatch-level tracker of live tensor bytes.
+
+Every tensor produced by an ATen op while the tracker is active is keyed by its storage; the storage
+counts as alive while any tensor that the tracker saw on it is alive. This sees what ``psutil`` cannot
+(which allocation made the peak, whether a full-size tensor ever existed) and works on CPU, where there
+is no allocator with statistics.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+def _storage_key_and_bytes(t: torch.Tensor) -> tuple[int, int] | None:
+    if t.device.type == "meta":
+        return None
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return None  # wrapper subclasses (DTensor ...) own no storage; their local tensors are seen directly
+    try:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return None
+        return storage.data_ptr(), nbytes
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Counts bytes of tensors allocated while active and still alive; keeps the peak.
+
+    Args:
+        on_alloc: Optional callback ``(func_name, tensor)`` invoked for every new storage, used by the
+            structural tests ("no full-size tensor is ever allocated on rank 1").
+
+    Example:
+        >>> with LiveTensorTracker() as tracker:
+        ...     x = torch.ones(1024)
+        >>> tracker.peak_bytes >= 4096
+        True
+    """
+
+    def __init__(self, on_alloc: Callable[[str, torch.Tensor], None] | None = None) -> None:
+        super().__init__()
+        self._on_alloc = on_alloc
+        self._lock = threading.Lock()
+        self._storages: dict[int, list[Any]] = {}  # data_ptr -> [nbytes, refcount]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.allocations = 0
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._storages.get(key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._storages[key]
+                self.live_bytes -= entry[0]
+
+    def _track(self, func_name: str, t: torch.Tensor) -> None:
+        found = _storage_key_and_bytes(t)
+        if found is None:
+            return
+        key, nbytes = found
+        with self._lock:
+            entry = self._storages.get(key)
+            if entry is None:
+                self._storages[key] = [nbytes, 1]
+                self.live_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                self.allocations += 1
+                is_new = True
+            else:
+                entry[1] += 1
+                is_new = False
+        try:
+            weakref.finalize(t, self._release, key)
+        except TypeError:
+            self._release(key)
+            return
+        if is_new and self._on_alloc is not None:
+            self._on_alloc(func_name, t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs, _ = tree_flatten((args, kwargs))
+        known = {
+            found[0] for x in inputs if isinstance(x, torch.Tensor) and (found := _storage_key_and_bytes(x))
+        }
+        out = func(*args, **kwargs)
+        outputs, _ = tree_flatten(out)
+        for o in outputs:
+            if isinstance(o, torch.Tensor):
+                found = _storage_key_and_bytes(o)
+                if found is not None and found[0] not in known:
+                    self._track(str(func), o)
+                elif found is not None and found[0] in self._storages:
+                    self._track(str(func), o)
+        return out

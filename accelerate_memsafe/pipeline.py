@@ -1,0 +1,274 @@
+"""Stages, their validation, and the runner that wraps each one in the memory probe.
+
+A stage is a small class with a ``name``, the ``hooks`` it serves, the stages it ``requires`` to have
+run before it (at the same hook), the stages it must ``run_before`` when both are enabled, and
+``run(ctx)``. Stages orchestrate; plain functions in ``distributed/``, ``io/`` and ``memory/`` do the work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from .errors import PipelineError
+from .memory.probe import MemoryProbe, ProbeResult
+from .memory.report import MemoryReport, StageRecord
+
+if TYPE_CHECKING:
+    from .plugin import MemSafePlugin
+
+#: The hook points, in the order a training run meets them.
+HOOKS = ("prepare", "load_state", "save_state", "save_model")
+
+
+@dataclass
+class StageOutcome:
+    """What a stage returns: whether it ran or was skipped (and why), plus figures for the report."""
+
+    status: str = "ran"
+    reason: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def ran(**details: Any) -> StageOutcome:
+    """Outcome of a stage that did its work; ``details`` go into the report."""
+    return StageOutcome("ran", None, details)
+
+
+def skipped(reason: str, **details: Any) -> StageOutcome:
+    """Outcome of a stage that does not apply here; ``reason`` says why (it is shown in the report)."""
+    return StageOutcome("skipped", reason, details)
+
+
+class Stage:
+    """Base class of a pipeline stage. Subclasses set the class attributes and implement :meth:`run`.
+
+    A stage may also implement :meth:`after`, which runs once the upstream accelerate call of the hook
+    has returned (in reverse stage order, like nested context managers), e.g. to rename a finished
+    checkpoint into place or to reclaim device memory after a load.
+    """
+
+    name: ClassVar[str]
+    hooks: ClassVar[tuple[str, ...]]
+    requires: ClassVar[tuple[str, ...]] = ()
+    run_before: ClassVar[tuple[str, ...]] = ()
+    summary: ClassVar[str] = ""
+
+    def __init__(self, options: "MemSafePlugin") -> None:
+        self.options = options
+
+    def run(self, ctx: "HookContext") -> StageOutcome | None:
+        raise NotImplementedError
+
+    def after(self, ctx: "HookContext") -> StageOutcome | None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<stage {self.name}>"
+
+
+@dataclass
+class HookContext:
+    """What the stages of one hook call share. Stages read and replace fields; ``scratch`` passes data
+    from one stage to a later one (e.g. the weight source from ``meta_placement`` to ``rank0_distribute``).
+    """
+
+    hook: str
+    rank: int
+    world_size: int
+    device: torch.device
+    options: "MemSafePlugin"
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    model: torch.nn.Module | None = None
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    fsdp_plugin: Any = None
+    is_fsdp2: bool = False
+    mixed_precision: str = "no"
+    mesh: Any = None
+    directory: str | None = None
+    skip_upstream: str | None = None
+    result: Any = None
+    scratch: dict[str, Any] = field(default_factory=dict)
+
+
+def validate_stage_names(
+    names: Iterable[str], registry: Mapping[str, type[Stage]]
+) -> dict[str, tuple[type[Stage], ...]]:
+    """Checks a list of stage names and splits it into the run order of each hook.
+
+    Args:
+        names: Stage names, in run order.
+        registry: Known stages by name.
+
+    Returns:
+        For every hook point, the stage classes that run there, in order.
+
+    Raises:
+        PipelineError: Listing every unknown name, duplicate, and broken ordering requirement.
+
+    Example:
+        >>> from accelerate_memsafe.stages import STAGE_REGISTRY
+        >>> validate_stage_names(["shard"], STAGE_REGISTRY)["prepare"][0].name
+        'shard'
+    """
+    names = list(names)
+    problems: list[str] = []
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            problems.append(f"stage #{i} is {name!r}, not a stage name. Available names: {', '.join(registry)}.")
+            continue
+        if name in seen:
+            problems.append(f"`{name}` is listed twice (positions {seen[name]} and {i}); list each stage once.")
+            continue
+        seen[name] = i
+        if name not in registry:
+            problems.append(f"unknown stage `{name}`. Available names: {', '.join(registry)}.")
+    known = [n for n in names if isinstance(n, str) and n in registry]
+    known = list(dict.fromkeys(known))
+    for name in known:
+        cls = registry[name]
+        bad_hooks = [h for h in cls.hooks if h not in HOOKS]
+        if bad_hooks:
+            problems.append(f"stage `{name}` declares unknown hook(s) {bad_hooks}; hooks are {', '.join(HOOKS)}.")
+        for req in cls.requires:
+            if req not in seen:
+                problems.append(
+                    f"`{name}` requires `{req}` to run before it, but `{req}` is not enabled. "
+                    f"HINT: add `{req}` before `{name}`, or remove `{name}`."
+                )
+            elif seen[req] > seen[name]:
+                problems.append(
+                    f"`{name}` requires `{req}` to run before it, but `{req}` comes after it. "
+                    f"HINT: move `{req}` before `{name}`."
+                )
+        for later in cls.run_before:
+            if later in seen and seen[later] < seen[name]:
+                problems.append(f"`{name}` must run before `{later}`. HINT: move `{name}` before `{later}`.")
+    if problems:
+        raise PipelineError(problems)
+    return {hook: tuple(registry[n] for n in known if hook in registry[n].hooks) for hook in HOOKS}
+
+
+def _merge(first: ProbeResult, second: ProbeResult) -> ProbeResult:
+    def peak(a, b):
+        return b if a is None else a if b is None else max(a, b)
+
+    def add(a, b):
+        return None if a is None or b is None else a + b
+
+    return ProbeResult(
+        wall_s=first.wall_s + second.wall_s,
+        cpu_rss_start_bytes=first.cpu_rss_start_bytes,
+        cpu_rss_peak_bytes=peak(first.cpu_rss_peak_bytes, second.cpu_rss_peak_bytes),
+        cpu_rss_delta_bytes=add(first.cpu_rss_delta_bytes, second.cpu_rss_delta_bytes),
+        cpu_anon_start_bytes=first.cpu_anon_start_bytes,
+        cpu_anon_peak_bytes=peak(first.cpu_anon_peak_bytes, second.cpu_anon_peak_bytes),
+        cpu_anon_delta_bytes=add(first.cpu_anon_delta_bytes, second.cpu_anon_delta_bytes),
+        device_peak_bytes=peak(first.device_peak_bytes, second.device_peak_bytes),
+        device_delta_bytes=add(first.device_delta_bytes, second.device_delta_bytes),
+        live_tensor_peak_bytes=peak(first.live_tensor_peak_bytes, second.live_tensor_peak_bytes),
+        timeline=first.timeline + second.timeline,
+    )
+
+
+class Pipeline:
+    """Runs the stages of each hook point in order, each inside a :class:`MemoryProbe`.
+
+    Args:
+        stages: Stage instances per hook (from :func:`validate_stage_names`).
+        report: Where records go.
+        track_tensors: Whether the probe runs the live-tensor tracker.
+    """
+
+    def __init__(self, stages: Mapping[str, tuple[Stage, ...]], report: MemoryReport, *, track_tensors: bool = True):
+        self.stages = dict(stages)
+        self.report = report
+        self.track_tensors = track_tensors
+        self.origin = time.perf_counter()
+
+    def names(self, hook: str) -> tuple[str, ...]:
+        """The stage names that run at ``hook``, in order."""
+        return tuple(s.name for s in self.stages.get(hook, ()))
+
+    def _probe(self, ctx: HookContext, fn: Callable[[HookContext], StageOutcome | None], stage: str):
+        probe = MemoryProbe(ctx.device, track_tensors=self.track_tensors, origin=self.origin)
+        start = time.perf_counter() - self.origin
+        try:
+            with probe:
+                outcome = fn(ctx)
+        except Exception as exc:
+            wall = probe.result.wall_s if probe.result else 0.0
+            self._failed.append(
+                StageRecord(
+                    hook=ctx.hook, stage=stage, rank=ctx.rank, status="failed",
+                    reason=f"{type(exc).__name__}: {exc}", wall_s=wall, start_s=start,
+                )
+            )
+            exc.add_note(f"[accelerate_memsafe] raised in stage `{stage}` at hook `{ctx.hook}` on rank {ctx.rank}")
+            raise
+        return probe.result, outcome or StageOutcome(), start
+
+    def run(self, ctx: HookContext, upstream: Callable[[HookContext], Any]) -> Any:
+        """Runs the stages of ``ctx.hook``, then ``upstream`` (accelerate's own method), then the stages'
+        ``after`` parts in reverse order.
+
+        Returns:
+            What ``upstream`` returned, or ``ctx.result`` when a stage replaced the upstream call.
+        """
+
+        def call_upstream(c: HookContext) -> None:
+            c.result = upstream(c)
+
+        self._failed: list[StageRecord] = []
+        done: list[list[Any]] = []
+        upstream_entry: list[Any] | None = None
+        try:
+            for stage in self.stages.get(ctx.hook, ()):
+                result, outcome, start = self._probe(ctx, stage.run, stage.name)
+                done.append([stage.name, result, outcome, start, stage])
+            if ctx.skip_upstream is None:
+                result, outcome, start = self._probe(ctx, call_upstream, f"accelerate.{ctx.hook}")
+                upstream_entry = [f"accelerate.{ctx.hook}", result, outcome, start, None]
+            for entry in reversed(done):
+                stage, outcome = entry[4], entry[2]
+                if outcome.status == "ran" and type(stage).after is not Stage.after:
+                    result2, outcome2, _ = self._probe(ctx, stage.after, stage.name)
+                    entry[1] = _merge(entry[1], result2)
+                    outcome.details.update(outcome2.details)
+        finally:
+            entries = done + ([upstream_entry] if upstream_entry else [])
+            records = [self._make_record(ctx, *e[:4]) for e in entries] + self._failed
+            for record in sorted(records, key=lambda r: r.start_s):
+                self.report.add(record)
+        return ctx.result
+
+    def _make_record(
+        self, ctx: HookContext, name: str, result: ProbeResult, outcome: StageOutcome, start: float
+    ) -> StageRecord:
+        return StageRecord(
+            hook=ctx.hook,
+            stage=name,
+            rank=ctx.rank,
+            status=outcome.status,
+            reason=outcome.reason,
+            wall_s=result.wall_s,
+            cpu_rss_peak_bytes=result.cpu_rss_peak_bytes,
+            cpu_rss_delta_bytes=result.cpu_rss_delta_bytes,
+            cpu_anon_peak_bytes=result.cpu_anon_peak_bytes,
+            cpu_anon_delta_bytes=result.cpu_anon_delta_bytes,
+            device_peak_bytes=result.device_peak_bytes,
+            device_delta_bytes=result.device_delta_bytes,
+            live_tensor_peak_bytes=result.live_tensor_peak_bytes,
+            cpu_rss_start_bytes=result.cpu_rss_start_bytes,
+            cpu_anon_start_bytes=result.cpu_anon_start_bytes,
+            start_s=start,
+            details=dict(outcome.details),
+            timeline=[[s.t, s.rss, s.anon] for s in result.timeline],
+        )

@@ -1,0 +1,240 @@
+"""``MemSafePlugin``: which stages run, with which options; ``from_env()``; ``attach()``."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .env import PREFIX, memsafe_variables
+from .errors import ConfigError, PipelineError
+from .memory.report import MemoryReport
+from .pipeline import HOOKS, Pipeline, validate_stage_names
+
+if TYPE_CHECKING:
+    import accelerate
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str, *, what: str = "size") -> int:
+    """Parses a byte size: an int, or a string with transformers' meaning (``"500MB"`` = 500·10^6 bytes,
+    ``"64MiB"`` = 64·2^20 bytes).
+
+    Raises:
+        ConfigError: If the value is not a positive size.
+
+    Example:
+        >>> parse_size("500MB"), parse_size("64MiB"), parse_size(1024)
+        (500000000, 67108864, 1024)
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"`{what}` must be a byte count or a string like '500MB', got {value!r}.")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGTIB")
+        unit = text[len(digits) :]
+        try:
+            number = float(digits)
+        except ValueError:
+            raise ConfigError(f"`{what}`={value!r} is not a size; use bytes (1048576) or a string like '500MB'.") from None
+        if unit not in _UNITS:
+            raise ConfigError(f"`{what}`={value!r} has unknown unit {unit!r}; use one of B, KB, MB, GB, KiB, MiB, GiB.")
+        n = int(number * _UNITS[unit])
+    else:
+        raise ConfigError(f"`{what}` must be an int or a string like '500MB', got {type(value).__name__}.")
+    if n <= 0:
+        raise ConfigError(f"`{what}` must be positive, got {value!r}.")
+    return n
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemSafePlugin:
+    """Configuration of the memory-safe pipeline. Pass it as ``Accelerator(plugins=[MemSafePlugin()])``.
+
+    The pipeline is validated when the plugin is built: an unknown stage, a duplicate, or an order that
+    breaks a stage's requirements raises :class:`PipelineError` listing every problem.
+
+    Example:
+        >>> plugin = MemSafePlugin(stages=["shard"], bucket_bytes="32MiB")
+        >>> plugin.bucket_bytes
+        33554432
+        >>> plugin.stage_names("prepare")
+        ('shard',)
+    """
+
+    stages: tuple[str, ...] | None = None
+    """Stage names in run order (each stage serves its own hook points). ``None``: every stage, default order."""
+
+    bucket_bytes: int = 64 * 2**20
+    """Bytes per bucket when rank 0 distributes weights; bounds rank 0's cast copies in flight."""
+
+    prefetch_buckets: int = 2
+    """How many buckets rank 0 reads ahead while the current one is sent (hard bound on what is in flight)."""
+
+    optimizer_offload: bool = False
+    """Keep optimizer state on CPU between steps (and reload it straight to CPU)."""
+
+    collective_timeout_s: float = 600.0
+    """Seconds a collective issued by a stage may take before the stage fails naming the missing rank."""
+
+    max_shard_size: int = 5 * 10**9
+    """Largest shard file written by the offloaded save (bytes; accepts '500MB'-style strings)."""
+
+    check_finite_weights: bool = False
+    """Check every source weight for NaN/Inf while distributing it (costs one pass over the weights)."""
+
+    preflight_memory_check: bool = True
+    """Before a stage runs, predict its peak memory and refuse to start work that cannot fit."""
+
+    track_live_tensors: bool = True
+    """Run the dispatch-level live-tensor tracker inside each stage (exact tensor peaks; small overhead)."""
+
+    progress: bool = True
+    """Show tqdm progress bars on rank 0 for stages that move more than a few hundred MB."""
+
+    report_path: str | None = None
+    """Where every rank's records are written as JSON after each hook (``{rank}`` is replaced)."""
+
+    report: MemoryReport = field(default_factory=MemoryReport, compare=False, repr=False)
+    """The records of this plugin's stage runs (filled as the hooks run)."""
+
+    def __post_init__(self) -> None:
+        from .stages import DEFAULT_STAGES, STAGE_REGISTRY
+
+        if self.stages is not None:
+            if isinstance(self.stages, str):
+                raise PipelineError([f"`stages` must be a list of stage names, got the string {self.stages!r}."])
+            object.__setattr__(self, "stages", tuple(self.stages))
+        object.__setattr__(self, "bucket_bytes", parse_size(self.bucket_bytes, what="bucket_bytes"))
+        object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, what="max_shard_size"))
+        problems = []
+        if not isinstance(self.prefetch_buckets, int) or self.prefetch_buckets < 1:
+            problems.append(f"`prefetch_buckets` must be an int >= 1, got {self.prefetch_buckets!r}.")
+        if not (isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0):
+            problems.append(f"`collective_timeout_s` must be > 0 seconds, got {self.collective_timeout_s!r}.")
+        if problems:
+            raise ConfigError(" ".join(problems))
+        names = DEFAULT_STAGES if self.stages is None else self.stages
+        by_hook = validate_stage_names(names, STAGE_REGISTRY)
+        instances = {hook: tuple(cls(self) for cls in classes) for hook, classes in by_hook.items()}
+        object.__setattr__(self, "_pipeline", Pipeline(instances, self.report, track_tensors=self.track_live_tensors))
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The validated pipeline (stage instances per hook point)."""
+        return self._pipeline  # type: ignore[attr-defined]
+
+    def stage_names(self, hook: str) -> tuple[str, ...]:
+        """The stages that run at ``hook`` (one of ``prepare``, ``load_state``, ``save_state``, ``save_model``)."""
+        if hook not in HOOKS:
+            raise ValueError(f"unknown hook {hook!r}; hooks are {', '.join(HOOKS)}.")
+        return self.pipeline.names(hook)
+
+    @classmethod
+    def options(cls) -> tuple[dataclasses.Field, ...]:
+        """The configurable fields (everything but ``report``)."""
+        return tuple(f for f in dataclasses.fields(cls) if f.name != "report")
+
+    @classmethod
+    def env_name(cls, option: str) -> str:
+        """The environment variable carrying ``option`` (``bucket_bytes`` -> ``ACCELERATE_MEMSAFE_BUCKET_BYTES``)."""
+        return PREFIX + option.upper()
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "MemSafePlugin":
+        """Builds a plugin from ``ACCELERATE_MEMSAFE_*`` variables (the only place that reads them).
+
+        Args:
+            environ: Mapping to read instead of ``os.environ``.
+            **overrides: Options that win over the environment.
+
+        Raises:
+            ConfigError: For an unknown ``ACCELERATE_MEMSAFE_*`` variable or a value that does not parse.
+
+        Example:
+            >>> MemSafePlugin.from_env({"ACCELERATE_MEMSAFE_STAGES": "shard", "ACCELERATE_MEMSAFE_OPTIMIZER_OFFLOAD": "1"}).optimizer_offload
+            True
+        """
+        variables = memsafe_variables(environ)
+        fields = {f.name: f for f in cls.options()}
+        unknown = sorted(k for k in variables if k not in fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown environment variable(s) {[cls.env_name(k) for k in unknown]}. "
+                f"Known: {[cls.env_name(k) for k in fields]}."
+            )
+        hints = typing.get_type_hints(cls)
+        kwargs: dict[str, Any] = {}
+        for name, raw in variables.items():
+            kwargs[name] = _parse_env_value(cls.env_name(name), raw, hints[name])
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``ACCELERATE_MEMSAFE_*`` variables that rebuild this plugin with :meth:`from_env`."""
+        out = {}
+        for f in self.options():
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            out[self.env_name(f.name)] = str(value)
+        return out
+
+    def attach(self, accelerator: "accelerate.Accelerator", *, fsdp_plugin: Any = None) -> "accelerate.Accelerator":
+        """Gives an existing stock ``accelerate.Accelerator`` the behaviour of :class:`accelerate_memsafe.Accelerator`.
+
+        The instance's class is switched to a memsafe subclass of its own class (no module globals are
+        patched). On a machine without an accelerator, a multi-process launch that asked for FSDP2
+        (``accelerate launch --use_fsdp --fsdp_version 2``, or ``fsdp_plugin=...`` here) is turned into a
+        real FSDP2 run over gloo.
+
+        Args:
+            accelerator: A stock accelerator, built before any ``prepare``.
+            fsdp_plugin: FSDP settings to use (default: those of the accelerator or the environment).
+
+        Returns:
+            The same accelerator object.
+
+        Raises:
+            ValueError: If the accelerator already has a memsafe plugin or has prepared objects.
+
+        Example:
+            >>> # accelerator = accelerate.Accelerator(); MemSafePlugin().attach(accelerator)
+        """
+        from .accelerator import attach_plugin
+
+        return attach_plugin(accelerator, self, fsdp_plugin=fsdp_plugin)
+
+
+def _parse_env_value(var: str, raw: str, hint: Any) -> Any:
+    text = raw.strip()
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if hint is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{var}={raw!r} is not a boolean; use true or false.")
+    if origin is not None and args and (typing.get_origin(args[0]) is tuple or args[0] is tuple):
+        return tuple(s.strip() for s in text.split(",") if s.strip())
+    if hint is int:
+        try:
+            return parse_size(text, what=var) if not text.lstrip("-").isdigit() else int(text)
+        except ConfigError:
+            raise ConfigError(f"{var}={raw!r} is not an integer.") from None
+    if hint is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{var}={raw!r} is not a number.") from None
+    return text or None

@@ -1,0 +1,41 @@
+"""``shard``: apply FSDP2's ``fully_shard`` the way accelerate would, before accelerate's ``prepare``."""
+
+from __future__ import annotations
+
+from ..distributed.sharding import shard_model
+from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+
+
+class ShardStage(Stage):
+    """Wraps the model with ``fully_shard`` (accelerate's wrap policy, mixed precision and offload
+    settings) and points the optimizers at the sharded parameters; accelerate's ``prepare`` then finds an
+    already-sharded model and does the rest (optimizer wrapping, dataloaders, schedulers).
+    """
+
+    name = "shard"
+    hooks = ("prepare",)
+    summary = "apply fully_shard with accelerate's policy; remap optimizers"
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if not ctx.is_fsdp2:
+            return skipped("not an FSDP2 run")
+        if ctx.model is None:
+            return skipped("no model passed to prepare")
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(ctx.model, FSDPModule):
+            return skipped("model is already sharded")
+        ctx.model = shard_model(
+            ctx.model,
+            ctx.optimizers,
+            fsdp_plugin=ctx.fsdp_plugin,
+            mixed_precision=ctx.mixed_precision,
+            mesh=ctx.mesh,
+            parallelism_config=ctx.scratch.get("parallelism_config"),
+            is_main_process=ctx.rank == 0,
+            device=ctx.device,
+        )
+        ctx.scratch["sharded"] = True
+        n_params = sum(1 for _ in ctx.model.parameters())
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in ctx.model.parameters())
+        return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size)
