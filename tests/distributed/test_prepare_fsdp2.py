@@ -1,0 +1,49 @@
+"""FSDP2 on 2 CPU gloo ranks through the plugin: sharding, report, and attach() == subclass."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import workers
+from tests.spawn import run_on_ranks
+
+
+def test_subclass_shards_with_fsdp2_and_reports(tiny_llama_dir):
+    results = run_on_ranks(workers.prepare_tiny_llama, 2, init_process_group=False, model_dir=str(tiny_llama_dir))
+    for rank, res in enumerate(results):
+        assert res["distributed_type"] == "DistributedType.FSDP"
+        assert res["is_fsdp2"] is True
+        assert res["opt_params_are_model_params"], "optimizer must hold the sharded parameters"
+        for name, p in res["params"].items():
+            assert p["dtensor"] and p["shard0"], f"{name} on rank {rank}: {p['placements']}"
+        records = [r for r in res["report"]["records"] if r["stage"] == "shard" and r["hook"] == "prepare"]
+        assert sorted(r["rank"] for r in records) == [0, 1], "one shard record per rank"
+        for r in records:
+            assert r["status"] == "ran"
+            assert r["wall_s"] > 0
+            assert r["cpu_rss_peak_bytes"] and r["cpu_rss_peak_bytes"] > 0
+        assert "| prepare | shard |" in res["markdown"]
+    # half the rows of every parameter on each rank (tiny llama dims are even)
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).state_dict()
+    for name, p in results[0]["params"].items():
+        full = ref[name]
+        rows = full.shape[0] // 2
+        assert p["local"].shape[0] == rows, name
+        assert torch.equal(p["local"], full[:rows]), f"rank 0 shard of {name} differs from the checkpoint"
+        assert torch.equal(results[1]["params"][name]["local"], full[rows:]), f"rank 1 shard of {name}"
+
+
+def test_attach_gives_the_same_sharded_result(tiny_llama_dir):
+    sub = run_on_ranks(workers.prepare_tiny_llama, 2, init_process_group=False, model_dir=str(tiny_llama_dir))
+    att = run_on_ranks(workers.prepare_tiny_llama, 2, init_process_group=False, model_dir=str(tiny_llama_dir), attach=True)
+    for rank in range(2):
+        assert att[rank]["class"] == "MemSafeAccelerator"
+        assert att[rank]["distributed_type"] == "DistributedType.FSDP"
+        assert att[rank]["params"].keys() == sub[rank]["params"].keys()
+        for name in sub[rank]["params"]:
+            a, s = att[rank]["params"][name], sub[rank]["params"][name]
+            assert a["placements"] == s["placements"], name
+            assert torch.equal(a["local"], s["local"]), name
+        assert any(r["stage"] == "shard" for r in att[rank]["report"]["records"])
