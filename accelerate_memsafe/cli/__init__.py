@@ -1,0 +1,1 @@
+"""The ``accelerate-memsafe`` command line. Nothing in the library imports this package."""
