@@ -9,6 +9,10 @@ import sys
 #: sub-command -> module in accelerate_memsafe.cli with ``add_parser(subparsers)`` and ``run(args) -> int``.
 COMMANDS = {
     "demo": "demo",
+    "config": "config",
+    "launch": "launch",
+    "env": "env_cmd",
+    "report": "report",
 }
 
 

@@ -1,0 +1,75 @@
+"""``accelerate-memsafe launch [--memsafe_config FILE] [accelerate launch args] script.py [script args]``.
+
+Runs ``accelerate launch`` with the plugin's settings as ``ACCELERATE_MEMSAFE_*`` variables. On a machine
+without an accelerator, ``--num_processes N`` (N > 1) with no distributed flag starts N processes running
+FSDP2 over gloo (stock accelerate would start one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+_DISTRIBUTED_FLAGS = ("--use_fsdp", "--multi_gpu", "--use_deepspeed", "--use_megatron_lm", "--tpu", "--cpu", "--use_parallelism_config")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="accelerate launch with the plugin's settings (and FSDP2 over gloo on CPU-only machines)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--memsafe_config", "--memsafe-config", dest="memsafe_config", help="file written by `accelerate-memsafe config`")
+    p.add_argument("--dry-run", action="store_true", help="print the command and variables instead of running")
+    p.set_defaults(run=run, accepts_extra=True)
+
+
+def _num_processes(argv: list[str]) -> int:
+    for i, a in enumerate(argv):
+        if a in ("--num_processes", "--num-processes") and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if a.startswith(("--num_processes=", "--num-processes=")):
+            return int(a.split("=", 1)[1])
+    return 1
+
+
+def build_command(accelerate_args: list[str], *, has_accelerator: bool) -> list[str]:
+    """The ``accelerate launch`` command line, with FSDP2 flags added on CPU-only multi-process runs.
+
+    Example:
+        >>> build_command(["--num_processes", "2", "train.py"], has_accelerator=False)[3:7]
+        ['--use_fsdp', '--fsdp_version', '2', '--num_processes']
+    """
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    script_at = next((i for i, a in enumerate(accelerate_args) if a.endswith(".py") or a == "-m"), len(accelerate_args))
+    launch_args = accelerate_args[:script_at]
+    if not has_accelerator and _num_processes(launch_args) > 1 and not any(
+        a.split("=")[0] in _DISTRIBUTED_FLAGS for a in launch_args
+    ):
+        cmd += ["--use_fsdp", "--fsdp_version", "2"]
+    return cmd + accelerate_args
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..plugin import MemSafePlugin
+    from .config import read_config
+
+    if not args.extra:
+        print("accelerate-memsafe launch: give a script to run (accelerate launch arguments, then script.py)", file=sys.stderr)
+        return 2
+    plugin = read_config(args.memsafe_config) if args.memsafe_config else MemSafePlugin.from_env()
+    env = dict(os.environ)
+    env.update(plugin.to_env())
+    has_acc = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
+    cmd = build_command(list(args.extra), has_accelerator=has_acc)
+    if args.dry_run:
+        for k, v in sorted(plugin.to_env().items()):
+            print(f"{k}={v}")
+        print(" ".join(cmd))
+        return 0
+    return subprocess.call(cmd, env=env)
