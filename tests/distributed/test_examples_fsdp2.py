@@ -69,3 +69,33 @@ def test_demo_command_runs_and_writes_the_report(tmp_path):
     report = json.loads((tmp_path / "d" / "report.json").read_text())
     assert {r["rank"] for r in report["records"]} == {0, 1}
     assert "round trip bitwise: True" in proc.stdout
+
+
+def test_two_node_launch_on_one_machine(reference, tmp_path):
+    """`accelerate launch --num_machines 2 --machine_rank {0,1}`: one process per "node", FSDP2 over gloo."""
+    model_dir, ref = reference
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    procs = []
+    for machine_rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "2", "--machine_rank", str(machine_rank),
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2",
+               "--use_fsdp", "--fsdp_version", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
+               str(EXAMPLE), "--model-dir", str(model_dir), "--out", str(tmp_path / f"node{machine_rank}.json")]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-5000:]
+    run = json.loads((tmp_path / "node0.json").read_text())
+    assert not (tmp_path / "node1.json").exists(), "only global rank 0 writes"
+    assert run["world_size"] == 2 and run["distributed_type"] == "DistributedType.FSDP"
+    assert all(p["shard0"] and p["local_fraction"] == 0.5 for p in run["sharding"])
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) <= 1e-5
+    assert run["roundtrip_mismatches"] == []
