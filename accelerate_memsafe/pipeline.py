@@ -67,8 +67,58 @@ class Stage:
     def after(self, ctx: "HookContext") -> StageOutcome | None:
         return None
 
+    def estimate(self, ctx: "HookContext") -> "MemoryEstimate | None":
+        """Predicted extra peak memory of :meth:`run` on this rank (``None``: no prediction).
+
+        With ``preflight_memory_check`` on, the pipeline compares it with the available memory before
+        the stage starts and raises :class:`MemoryBudgetError` instead of starting work that cannot fit.
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"<stage {self.name}>"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Predicted extra peak memory of a stage on one rank, in bytes (``device_bytes`` on the accelerator)."""
+
+    cpu_bytes: int = 0
+    device_bytes: int = 0
+    what: str = ""
+
+
+def available_memory(device: torch.device | None) -> tuple[int, int | None]:
+    """Available CPU memory (``MemAvailable``) and free device memory (``None`` without an accelerator)."""
+    import psutil
+
+    cpu = psutil.virtual_memory().available
+    dev = None
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        dev = torch.cuda.mem_get_info(device)[0]
+    return cpu, dev
+
+
+def check_budget(stage: str, hook: str, rank: int, est: MemoryEstimate, cpu_free: int, dev_free: int | None) -> None:
+    """Raises :class:`MemoryBudgetError` if ``est`` does not fit the free memory.
+
+    Example:
+        >>> check_budget("shard", "prepare", 0, MemoryEstimate(cpu_bytes=1), cpu_free=2, dev_free=None)
+    """
+    from .errors import MemoryBudgetError
+
+    gib = 2**30
+    problems = []
+    if est.cpu_bytes > cpu_free:
+        problems.append(f"CPU: needs {est.cpu_bytes / gib:.2f} GiB, {cpu_free / gib:.2f} GiB available")
+    if dev_free is not None and est.device_bytes > dev_free:
+        problems.append(f"device: needs {est.device_bytes / gib:.2f} GiB, {dev_free / gib:.2f} GiB free")
+    if problems:
+        raise MemoryBudgetError(
+            f"stage `{stage}` at hook `{hook}` on rank {rank} would not fit ({'; '.join(problems)})"
+            f"{' for ' + est.what if est.what else ''}. Nothing was changed. Free memory, use more processes or a "
+            "smaller `bucket_bytes`, or disable the check with `MemSafePlugin(preflight_memory_check=False)`."
+        )
 
 
 @dataclass
@@ -231,6 +281,7 @@ class Pipeline:
         upstream_entry: list[Any] | None = None
         try:
             for stage in self.stages.get(ctx.hook, ()):
+                self._preflight(ctx, stage)
                 result, outcome, start = self._probe(ctx, stage.run, stage.name)
                 done.append([stage.name, result, outcome, start, stage])
             if ctx.skip_upstream is None:
@@ -248,6 +299,17 @@ class Pipeline:
             for record in sorted(records, key=lambda r: r.start_s):
                 self.report.add(record)
         return ctx.result
+
+    def _preflight(self, ctx: HookContext, stage: Stage) -> None:
+        options = ctx.options
+        if options is None or not getattr(options, "preflight_memory_check", False):
+            return
+        est = stage.estimate(ctx)
+        if est is None:
+            return
+        cpu_free, dev_free = available_memory(ctx.device)
+        check_budget(stage.name, ctx.hook, ctx.rank, est, cpu_free, dev_free)
+        ctx.scratch.setdefault("estimates", {})[stage.name] = est
 
     def _make_record(
         self, ctx: HookContext, name: str, result: ProbeResult, outcome: StageOutcome, start: float

@@ -91,3 +91,24 @@ def test_probe_sees_the_memory_a_stage_allocates():
     assert rec.cpu_rss_peak_bytes >= rec.cpu_rss_start_bytes + size * 0.9
     assert rec.wall_s > 0
     assert rec.device_peak_bytes is None  # no CUDA here
+
+
+def test_preflight_refuses_a_stage_that_cannot_fit_before_it_starts():
+    from accelerate_memsafe import MemoryBudgetError, MemSafePlugin
+    from accelerate_memsafe.pipeline import MemoryEstimate
+
+    log: list[str] = []
+
+    class Huge(_Log):
+        def estimate(self, ctx):
+            return MemoryEstimate(cpu_bytes=1 << 60, what="a 1 EiB tensor")
+
+    ctx = _ctx()
+    ctx.options = MemSafePlugin(stages=["shard"])
+    pipe = Pipeline({"save_state": (Huge("huge", log),)}, MemoryReport())
+    with pytest.raises(MemoryBudgetError, match=r"stage `huge` at hook `save_state` on rank 0 would not fit \(CPU: needs"):
+        pipe.run(ctx, lambda c: log.append("upstream"))
+    assert log == [], "nothing may run after a failed preflight check"
+    ctx.options = MemSafePlugin(stages=["shard"], preflight_memory_check=False)
+    pipe.run(ctx, lambda c: log.append("upstream"))
+    assert log == ["run:huge", "upstream", "after:huge"]
