@@ -9,12 +9,12 @@ is no allocator with statistics.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 
@@ -51,20 +51,25 @@ class LiveTensorTracker(TorchDispatchMode):
         super().__init__()
         self._on_alloc = on_alloc
         self._lock = threading.Lock()
-        self._storages: dict[int, list[Any]] = {}  # data_ptr -> [nbytes, refcount]
-        self.live_bytes = 0
+        self._storages: dict[int, tuple[Any, int]] = {}  # data_ptr -> (StorageWeakRef, nbytes)
+        self._live_bytes = 0
         self.peak_bytes = 0
         self.allocations = 0
 
-    def _release(self, key: int) -> None:
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of tracked storages still alive now."""
         with self._lock:
-            entry = self._storages.get(key)
-            if entry is None:
-                return
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self._storages[key]
-                self.live_bytes -= entry[0]
+            self._sweep()
+            return self._live_bytes
+
+    def _sweep(self) -> None:
+        # Liveness is read from the storage itself (a C++ weak reference), not from the Python wrapper
+        # seen in dispatch: tensors built inside C++ composite ops (safetensors' get_tensor/load_file go
+        # through set_ -> lift_fresh -> view) reach dispatch as temporary wrappers that die at once.
+        dead = [k for k, (ref, _) in self._storages.items() if ref.expired()]
+        for k in dead:
+            self._live_bytes -= self._storages.pop(k)[1]
 
     def _track(self, func_name: str, t: torch.Tensor) -> None:
         found = _storage_key_and_bytes(t)
@@ -72,22 +77,17 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         key, nbytes = found
         with self._lock:
-            entry = self._storages.get(key)
-            if entry is None:
-                self._storages[key] = [nbytes, 1]
-                self.live_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-                self.allocations += 1
-                is_new = True
-            else:
-                entry[1] += 1
-                is_new = False
-        try:
-            weakref.finalize(t, self._release, key)
-        except TypeError:
-            self._release(key)
-            return
-        if is_new and self._on_alloc is not None:
+            if key in self._storages and not self._storages[key][0].expired():
+                return
+            if self._live_bytes + nbytes > self.peak_bytes:
+                self._sweep()  # only a new peak needs exact liveness; keeps tracking O(1) otherwise
+            if key in self._storages:
+                self._live_bytes -= self._storages.pop(key)[1]  # a dead storage's address was reused
+            self._storages[key] = (StorageWeakRef(t.untyped_storage()), nbytes)
+            self._live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+            self.allocations += 1
+        if self._on_alloc is not None:
             self._on_alloc(func_name, t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -102,7 +102,5 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(o, torch.Tensor):
                 found = _storage_key_and_bytes(o)
                 if found is not None and found[0] not in known:
-                    self._track(str(func), o)
-                elif found is not None and found[0] in self._storages:
                     self._track(str(func), o)
         return out
