@@ -13,6 +13,7 @@ COMMANDS = {
     "launch": "launch",
     "env": "env_cmd",
     "report": "report",
+    "estimate": "estimate",
 }
 
 
