@@ -16,6 +16,9 @@ from .errors import (
     PipelineError,
     StageError,
 )
+from .integrations.peft import reload_adapter
+from .io.offloaded_save import save_offloaded
+from .loading import from_pretrained
 from .memory.report import MemoryReport, StageRecord
 from .pipeline import HOOKS, Stage
 from .plugin import MemSafePlugin
@@ -39,4 +42,7 @@ __all__ = [
     "StageError",
     "StageRecord",
     "__version__",
+    "from_pretrained",
+    "save_offloaded",
+    "reload_adapter",
 ]

@@ -122,3 +122,200 @@ def apply_activation_checkpointing(model: torch.nn.Module, fsdp_plugin: Any) -> 
     from accelerate.utils import fsdp2_apply_ac
 
     return fsdp2_apply_ac(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=fsdp_plugin)), model)
+
+
+# -- transformers internals used by the offloaded save -----------------------------------------------------
+#
+# 3. ``transformers.core_model_loading``: the reverse weight conversions of a model (``revert_weight_conversion``
+#    and the pieces it is built from). transformers has no public API that says which tensors one reverse
+#    conversion needs together; we rebuild its grouping rule from the same objects it uses, and cross-check
+#    it against ``revert_weight_conversion`` itself on meta tensors (see ``io/shard_plan.py``).
+# 4. ``transformers.modeling_utils.remove_tied_weights_from_state_dict``: which tied names ``save_pretrained``
+#    drops, so that our checkpoint holds exactly the names transformers would write.
+# 5. accelerate's ``module._hf_hook.weights_map``: where an offloaded module's values live (cpu dict or disk
+#    index); ``transformers.integrations.accelerate.load_offloaded_parameter`` reads it the same way.
+
+#: transformers versions whose internals the offloaded save was written and tested against.
+TESTED_TRANSFORMERS_CONVERSIONS = (Version("5.23.0"), Version("5.24.0"))
+
+
+def check_transformers_version(version: str | None = None) -> bool:
+    """Warns when transformers' version is outside the range the offloaded save was tested with.
+
+    Returns:
+        Whether the version is a tested one.
+    """
+    import transformers
+
+    v = Version(version or transformers.__version__)
+    ok = TESTED_TRANSFORMERS_CONVERSIONS[0] <= v < TESTED_TRANSFORMERS_CONVERSIONS[1]
+    if not ok:
+        warnings.warn(
+            f"accelerate_memsafe's offloaded save was tested with transformers >={TESTED_TRANSFORMERS_CONVERSIONS[0]},"
+            f"<{TESTED_TRANSFORMERS_CONVERSIONS[1]}; found {v}. It uses transformers' weight-conversion internals "
+            "(`core_model_loading`), which may have changed. Please report problems with the versions involved.",
+            stacklevel=2,
+        )
+    return ok
+
+
+def reverse_conversion_key(model: torch.nn.Module):
+    """A function naming, for one state-dict key, the reverse conversion (``WeightConverter``) it belongs to.
+
+    Mirrors the grouping of ``transformers.core_model_loading.revert_weight_conversion``: every key that its
+    reversed converters rename to the same target is converted together. Keys that only get renamed map to
+    ``None``.
+
+    Args:
+        model: A transformers ``PreTrainedModel``.
+
+    Returns:
+        ``key(name) -> str | None``.
+    """
+    from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
+
+    check_transformers_version()
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        # Same rule as revert_weight_conversion for a model not built by from_pretrained.
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    reverse = [c.reverse_transform() for c in conversions[::-1]]
+    converters = [c for c in reverse if isinstance(c, WeightConverter)]
+
+    def key(name: str) -> str | None:
+        if not converters:
+            return None
+        renamed, pattern = apply_converters(name, converters)
+        return renamed if pattern is not None else None
+
+    return key
+
+
+def revert_conversions(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Applies transformers' reverse weight conversions (``save_original_format=True``) to ``state_dict``.
+
+    Works on meta tensors too (shapes and dtypes only), which is how the shard plan predicts the saved names.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, state_dict)
+
+
+def natural_key(name: str):
+    """transformers' sort key for state-dict names (``layers.2`` before ``layers.10``)."""
+    from transformers.core_model_loading import dot_natural_key
+
+    return dot_natural_key(name)
+
+
+def drop_tied_and_ignored(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Removes the names ``save_pretrained`` does not write: ``_keys_to_ignore_on_save`` and tied aliases.
+
+    Meta (offloaded) tensors are matched by their parameter object, as transformers does; no data is read.
+    """
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state_dict = dict(state_dict)
+    for ignore in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state_dict.pop(ignore, None)
+    return remove_tied_weights_from_state_dict(state_dict, model)
+
+
+def hook_weights_map(module: torch.nn.Module):
+    """The mapping an accelerate offload hook reads ``module``'s own tensors from, or ``None``.
+
+    ``dispatch_model`` / ``from_pretrained(device_map=...)`` attach an ``AlignDevicesHook`` (possibly inside a
+    ``SequentialHook``) whose ``weights_map`` is a ``PrefixedDataset`` over the cpu state dict and the disk
+    offload index; indexing it loads one tensor.
+    """
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return None
+    for h in getattr(hook, "hooks", None) or (hook,):
+        wm = getattr(h, "weights_map", None)
+        if wm is not None and getattr(h, "offload", True):
+            return wm
+    return None
+
+
+def default_store() -> Any:
+    """The default process group's key-value store, or ``None``.
+
+    ``torch.distributed.distributed_c10d._get_default_store`` is private; our timeout-guarded collectives
+    use the store only to mark which rank reached which collective, so that a timeout can name the rank
+    that is missing. Without it the errors still fire, just without the rank.
+    """
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+#: torch versions whose ``torch.load(map_location="meta")`` records ``_checkpoint_offset`` on storages.
+TESTED_TORCH_CHECKPOINT_OFFSET = Version("2.6.0")
+
+
+def checkpoint_file_offset(tensor: torch.Tensor) -> int | None:
+    """Byte offset in its ``torch.save`` file of the storage of a tensor loaded with ``map_location="meta"``.
+
+    ``torch.load`` records it as the private attribute ``_checkpoint_offset`` of each meta storage (torch
+    >= 2.6); the optimizer reload uses it to read one tensor at a time straight into its destination
+    instead of materialising the whole file. ``None`` where torch does not provide it (the caller then
+    falls back to an mmap'ed ``torch.load``).
+    """
+    if Version(torch.__version__.split("+")[0]) < TESTED_TORCH_CHECKPOINT_OFFSET:
+        return None
+    offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+    return int(offset) if isinstance(offset, int) else None
+
+
+#: peft / transformers versions whose ``Trainer._load_best_model`` / ``Trainer._load_from_checkpoint`` (private
+#: methods overridden by ``integrations.trainer.MemSafeTrainerMixin``) and peft save layout were tested.
+TESTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
+TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.24.0"))
+
+
+def check_trainer_peft_versions(peft_version: str | None = None, transformers_version: str | None = None) -> bool:
+    """Whether the installed peft and transformers are versions the Trainer integration was tested with.
+
+    ``MemSafeTrainerMixin`` overrides the private ``Trainer._load_best_model`` and
+    ``Trainer._load_from_checkpoint`` and relies on peft's ``save_pretrained`` layout; with other versions it
+    warns and falls back to the upstream methods.
+
+    Returns:
+        ``True`` for tested versions; otherwise warns and returns ``False``.
+    """
+    import peft
+    import transformers
+
+    pv = Version(peft_version or peft.__version__)
+    tv = Version(transformers_version or transformers.__version__)
+    ok = TESTED_PEFT[0] <= pv < TESTED_PEFT[1] and TESTED_TRANSFORMERS[0] <= tv < TESTED_TRANSFORMERS[1]
+    if not ok:
+        warnings.warn(
+            f"accelerate_memsafe's Trainer integration was tested with peft >={TESTED_PEFT[0]},<{TESTED_PEFT[1]} and "
+            f"transformers >={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}; found peft {pv}, transformers {tv}. "
+            "Falling back to the Trainer's own adapter loading (it materialises the whole adapter on the device). "
+            "Call `accelerate_memsafe.reload_adapter(model, checkpoint)` yourself to keep the CPU-first path.",
+            stacklevel=3,
+        )
+    return ok
+
+
+def current_dispatch_modes() -> list[Any]:
+    """The ``TorchDispatchMode`` objects active in this thread (innermost last).
+
+    ``torch.utils._python_dispatch._get_current_dispatch_mode_stack`` is private. Dispatch modes are
+    thread-local; ``rank0_distribute`` re-enters them in its prefetch thread so that the live-tensor
+    tracker of the stage probe also sees the bucket copies made there.
+    """
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return list(_get_current_dispatch_mode_stack())
+    except Exception:
+        return []

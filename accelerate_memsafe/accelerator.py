@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import accelerate
@@ -33,6 +35,37 @@ def _fsdp_plugin_from_env() -> Any:
     return FullyShardedDataParallelPlugin() if launch_env().use_fsdp else None
 
 
+@contextlib.contextmanager
+def _upstream_overrides(accelerator: Any, scratch: dict) -> Iterator[None]:
+    """Temporary changes around accelerate's own ``save_state`` / ``load_state``, asked for by stages.
+
+    - ``upstream_skips_optimizers``: a stage (``optimizer_cpu_reload``) reads the optimizer state itself,
+      in place and straight into CPU tensors, so accelerate's load must not read it a second time.
+    - ``upstream_skips_models``: a stage (``peft_cpu_reload``) already reloaded every prepared model in
+      place, CPU-first and tensor by tensor, so accelerate's load must not read the model files again.
+    - ``upstream_explicit_dir``: a stage (``atomic_checkpoint``) resolved the automatic checkpoint name
+      into ``ctx.directory`` (a temporary directory); accelerate must write there, not pick its own.
+    """
+    saved_opts = saved_naming = None
+    config = getattr(accelerator, "project_configuration", None)
+    if scratch.get("upstream_skips_optimizers"):
+        saved_opts, accelerator._optimizers = accelerator._optimizers, []
+    saved_models = None
+    if scratch.get("upstream_skips_models"):
+        saved_models, accelerator._models = accelerator._models, []
+    if scratch.get("upstream_explicit_dir") and config is not None and config.automatic_checkpoint_naming:
+        saved_naming, config.automatic_checkpoint_naming = True, False
+    try:
+        yield
+    finally:
+        if saved_opts is not None:
+            accelerator._optimizers = saved_opts
+        if saved_models is not None:
+            accelerator._models = saved_models
+        if saved_naming:
+            config.automatic_checkpoint_naming = True
+
+
 class MemSafeMixin:
     """The routing shared by :class:`Accelerator` and accelerators given the plugin by ``attach``."""
 
@@ -58,7 +91,10 @@ class MemSafeMixin:
             is_fsdp2=bool(self.is_fsdp2),
             mixed_precision=self.mixed_precision,
             mesh=getattr(self, "torch_device_mesh", None),
-            scratch={"parallelism_config": getattr(self, "parallelism_config", None)},
+            scratch={
+                "parallelism_config": getattr(self, "parallelism_config", None),
+                "project_configuration": getattr(self, "project_configuration", None),
+            },
         )
 
     def _memsafe_finish(self) -> None:
@@ -110,7 +146,8 @@ class MemSafeMixin:
         ctx.directory = output_dir
 
         def upstream(c: HookContext) -> Any:
-            return super(MemSafeMixin, self).save_state(c.directory, safe_serialization=safe_serialization, **c.kwargs)
+            with _upstream_overrides(self, c.scratch):
+                return super(MemSafeMixin, self).save_state(c.directory, safe_serialization=safe_serialization, **c.kwargs)
 
         result = self.memsafe_plugin.pipeline.run(ctx, upstream)
         self._memsafe_finish()
@@ -122,7 +159,8 @@ class MemSafeMixin:
         ctx.scratch["load_kwargs"] = dict(load_kwargs or {})
 
         def upstream(c: HookContext) -> Any:
-            return super(MemSafeMixin, self).load_state(c.directory, load_kwargs=c.scratch["load_kwargs"] or None, **c.kwargs)
+            with _upstream_overrides(self, c.scratch):
+                return super(MemSafeMixin, self).load_state(c.directory, load_kwargs=c.scratch["load_kwargs"] or None, **c.kwargs)
 
         result = self.memsafe_plugin.pipeline.run(ctx, upstream)
         self._memsafe_finish()

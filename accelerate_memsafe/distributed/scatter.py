@@ -1,0 +1,475 @@
+"""Rank 0 sends every rank only its own shard of each parameter, in buckets, with a bounded prefetch.
+
+The model has been sharded with ``fully_shard`` while its parameters were on ``meta``; every rank knows
+the global shape, dtype and ``Shard(0)`` placement of every parameter, so every rank computes the same
+plan without communicating. Rank ``r`` owns rows ``[r·c, (r+1)·c)`` of a parameter with ``n`` rows
+(``c = ceil(n / world)``, ``torch.chunk`` semantics, trailing ranks may own nothing). A tensor is cut
+into *units*: unit ``k`` holds, for every rank, up to ``s`` rows of that rank's range, so a unit never
+exceeds the bucket budget even when one tensor is larger than it. Units are packed into buckets; for
+each bucket rank 0 reads the rows from the source, casts them to the parameter's dtype while copying
+them into one flat byte buffer per rank, and ``dist.scatter``\\s the buffers: each rank receives only its
+rows. Replicated tensors (persistent buffers, parameters FSDP ignores) are broadcast.
+
+Memory bound on rank 0: a background thread prepares buckets ahead of the one being sent; a semaphore
+keeps at most ``prefetch_buckets + 1`` buckets alive, each of at most
+``bucket_bytes // (prefetch_buckets + 2)`` bytes, plus one unit-sized conversion temporary: the cast
+copies alive at once never exceed ``bucket_bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from ..errors import CheckpointError, StageError
+from ..io.safetensors_source import SafetensorsSource, file_backed_ranges
+from .collectives import Collectives
+from .sharding import canonical_name
+
+_ALIGN = 16  # byte alignment of each piece inside a bucket buffer (so that `.view(dtype)` is legal)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sources (rank 0 only)
+# ---------------------------------------------------------------------------------------------------
+class Rank0Source:
+    """Where rank 0 reads the weights from: the model's original tensors (possibly mmap-backed), or, per
+    tensor, a safetensors checkpoint read with ``pread``.
+
+    Args:
+        tensors: Canonical name -> the original tensor (kept alive only until it has been sent).
+        checkpoint: Optional lazily read checkpoint.
+        from_checkpoint: Names to read from ``checkpoint`` instead of ``tensors``.
+
+    Example:
+        >>> src = Rank0Source({"w": torch.arange(6.).view(3, 2)})
+        >>> out = torch.empty(2, 2, dtype=torch.float64); src.read_rows("w", 1, 3, out); out[0].tolist()
+        [2.0, 3.0]
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        checkpoint: SafetensorsSource | None = None,
+        from_checkpoint: set[str] | None = None,
+    ) -> None:
+        self.tensors = dict(tensors)
+        self.checkpoint = checkpoint
+        self.from_checkpoint = set(from_checkpoint or ())
+        self._maps: list[tuple[int, int, int, str]] | None = None
+        self.released_bytes = 0
+
+    def is_meta(self, name: str) -> bool:
+        return name not in self.from_checkpoint and self.tensors[name].is_meta
+
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Copies rows ``[start, stop)`` of ``name`` into ``out``, casting to ``out.dtype`` on the way."""
+        if name in self.from_checkpoint:
+            entry = self.checkpoint.entries[name]
+            if entry.dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu":
+                self.checkpoint.read(name, start, stop, out=out)
+            else:
+                out.copy_(self.checkpoint.read(name, start, stop))
+            return
+        t = self.tensors[name]
+        out.copy_(t[start:stop] if t.dim() else t)
+
+    def release(self, name: str) -> None:
+        """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel."""
+        t = self.tensors.pop(name, None)
+        if t is None or name in self.from_checkpoint or t.device.type != "cpu" or not t.is_contiguous():
+            return
+        if self._maps is None:
+            self._maps = file_backed_ranges("")
+        self.released_bytes += _dontneed_file_pages(t, self._maps)
+
+    def close(self) -> None:
+        self.tensors.clear()
+        if self.checkpoint is not None:
+            self.checkpoint.close()
+
+
+_MADV_DONTNEED = 4
+_PAGE = 4096
+
+
+def _dontneed_file_pages(t: torch.Tensor, maps: list[tuple[int, int, int, str]]) -> int:
+    """``madvise(MADV_DONTNEED)`` the pages that lie entirely inside ``t`` when ``t`` is a view of a
+    file mapping (an mmap-loaded checkpoint): they leave this process's RSS and are re-read from the
+    file if touched again. Anonymous memory is never touched (DONTNEED would zero it)."""
+    lo, n = t.data_ptr(), t.numel() * t.element_size()
+    if n < _PAGE or not any(a <= lo and lo + n <= b and path for a, b, _, path in maps):
+        return 0
+    start = (lo + _PAGE - 1) // _PAGE * _PAGE
+    end = (lo + n) // _PAGE * _PAGE
+    if end <= start:
+        return 0
+    name = ctypes.util.find_library("c")
+    if not name:
+        return 0
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        rc = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    except (OSError, AttributeError):
+        return 0
+    return end - start if rc == 0 else 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plan (every rank computes the same one)
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class _Sharded:
+    name: str
+    param: Any  # DTensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    row_numel: int
+    ranges: list[tuple[int, int]]  # rows owned by each rank
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_numel * self.dtype.itemsize
+
+
+@dataclass
+class _Piece:
+    item: _Sharded
+    rank: int
+    start: int  # global rows [start, stop)
+    stop: int
+    offset: int  # byte offset in that rank's buffer
+
+
+@dataclass
+class _Bucket:
+    index: int
+    pieces: list[_Piece] = field(default_factory=list)
+    slot_bytes: int = 0
+    last_of: list[str] = field(default_factory=list)  # tensors whose last rows are in this bucket
+
+
+def shard_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows of a ``Shard(0)`` tensor with ``n`` rows that ``rank`` owns (``torch.chunk`` semantics).
+
+    Example:
+        >>> [shard_rows(5, 2, r) for r in range(2)], shard_rows(1, 2, 1)
+        ([(0, 3), (3, 5)], (1, 1))
+    """
+    c = -(-n // world_size) if n else 0
+    return min(rank * c, n), min((rank + 1) * c, n)
+
+
+def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> list[_Bucket]:
+    """Cuts tensors into units and packs units into buckets.
+
+    A bucket costs ``world_size`` buffers of its largest per-rank size (``dist.scatter`` sends equal
+    sizes); units are added while that cost stays within ``bucket_budget``. A unit holds at most
+    ``bucket_budget / world_size`` bytes per rank, so only a single row larger than that can exceed it.
+    """
+    buckets: list[_Bucket] = []
+    cur = _Bucket(0)
+    used = [0] * world_size
+
+    def close() -> None:
+        nonlocal cur, used
+        if cur.pieces or cur.last_of:
+            cur.slot_bytes = max(used)
+            buckets.append(cur)
+            cur = _Bucket(len(buckets))
+        used = [0] * world_size
+
+    per_rank = bucket_budget // world_size
+    for item in items:
+        longest = max(b - a for a, b in item.ranges)
+        rows = max(1, (per_rank - _ALIGN) // max(1, item.row_bytes))
+        k = 0
+        while True:
+            unit = []
+            for r, (a, b) in enumerate(item.ranges):
+                s, e = min(a + k * rows, b), min(a + (k + 1) * rows, b)
+                if e > s:
+                    unit.append((r, s, e, _align((e - s) * item.row_bytes)))
+            if any(used) and world_size * max(used[r] + (n if r == ur else 0) for r in range(world_size) for ur, _, _, n in unit) > bucket_budget:
+                close()
+            for r, s, e, n in unit:
+                cur.pieces.append(_Piece(item, r, s, e, used[r]))
+                used[r] += n
+            k += 1
+            if k * rows >= longest:
+                break
+        cur.last_of.append(item.name)
+    close()
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bounded prefetch (rank 0)
+# ---------------------------------------------------------------------------------------------------
+class BoundedPrefetcher:
+    """Runs ``produce(bucket)`` for each bucket in a background thread, keeping at most ``max_alive``
+    results alive (produced and not yet released by the consumer): a hard bound, unlike a queue size.
+
+    The thread re-enters the caller's dispatch modes so that a live-tensor tracker sees its allocations.
+
+    Example:
+        >>> pf = BoundedPrefetcher(lambda b: b * 2, [1, 2, 3], max_alive=2)
+        >>> out = []
+        >>> for x in pf:
+        ...     out.append(x); pf.release()
+        >>> out
+        [2, 4, 6]
+    """
+
+    def __init__(self, produce: Any, items: list[Any], *, max_alive: int) -> None:
+        self._produce = produce
+        self._items = items
+        self._sem = threading.Semaphore(max_alive)
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._modes = _compat.current_dispatch_modes()
+        self._thread = threading.Thread(target=self._run, name="memsafe-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.ExitStack() as stack:
+            try:
+                for mode in self._modes:
+                    stack.enter_context(mode)
+            except Exception:
+                pass
+            try:
+                with torch.no_grad():
+                    for item in self._items:
+                        while not self._sem.acquire(timeout=0.1):
+                            if self._stop.is_set():
+                                return
+                        if self._stop.is_set():
+                            return
+                        self._queue.put(("ok", self._produce(item)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                self._queue.put(("error", exc))
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in self._items:
+            status, value = self._queue.get()
+            if status == "error":
+                raise value
+            yield value
+            value = None
+
+    def release(self) -> None:
+        """Says the consumer dropped the last result it got (lets the thread produce the next one)."""
+        self._sem.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class DistributeStats:
+    """Figures for the stage report."""
+
+    buckets: int = 0
+    sharded_tensors: int = 0
+    replicated_tensors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bucket_budget: int = 0
+    madvised_bytes: int = 0
+    from_checkpoint: int = 0
+
+
+def _sharded_and_replicated(model: nn.Module, world_size: int) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded: list[_Sharded] = []
+    replicated: list[tuple[str, nn.Module, str, torch.Tensor, bool]] = []
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for local, p in list(mod._parameters.items()):
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
+            if isinstance(p, DTensor):
+                if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.device_mesh.size() != world_size:
+                    raise StageError(
+                        f"`rank0_distribute` supports parameters sharded as (Shard(0),) over a 1-D mesh of all "
+                        f"{world_size} ranks; `{name}` has placements {p.placements} on mesh {p.device_mesh}. "
+                        "HINT: remove `meta_placement` and `rank0_distribute` from the stages for HSDP/TP runs."
+                    )
+                if p.dim() == 0:
+                    raise StageError(f"`rank0_distribute`: 0-d parameter `{name}` cannot be sharded on dim 0.")
+                shape = tuple(p.shape)
+                row_numel = 1
+                for s in shape[1:]:
+                    row_numel *= s
+                ranges = [shard_rows(shape[0], world_size, r) for r in range(world_size)]
+                sharded.append(_Sharded(name, p, p.dtype, shape, row_numel, ranges))
+            elif p.is_meta:
+                replicated.append((name, mod, local, p, True))
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for local, b in list(mod._buffers.items()):
+            if b is None or id(b) in seen or local in mod._non_persistent_buffers_set:
+                continue
+            seen.add(id(b))
+            if b.is_meta:
+                name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
+                replicated.append((name, mod, local, b, False))
+    return sharded, replicated
+
+
+def materialize_meta_shards(model: nn.Module, device: torch.device) -> None:
+    """Allocates (uninitialised) local storage for every sharded parameter still on ``meta``, keeping
+    parameter identity (FSDP2's ``_apply`` re-pads the sharded parameters). Only local shards are
+    allocated: on a rank, a sharded parameter never exists at full size."""
+    from torch.distributed.tensor import DTensor
+
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta and isinstance(t, DTensor) else t)
+
+
+def distribute_from_rank0(
+    model: nn.Module,
+    source: Rank0Source | None,
+    *,
+    coll: Collectives,
+    bucket_bytes: int,
+    prefetch_buckets: int,
+    device: torch.device,
+    check_finite: bool = False,
+) -> DistributeStats:
+    """Fills the ``meta`` shards of an FSDP2 model with rank 0's weights: each rank receives only its rows.
+
+    Args:
+        model: The ``fully_shard``-ed model, parameters still on ``meta`` on every rank.
+        source: Rank 0's weights (``None`` on the other ranks).
+        coll: Timeout-guarded collectives of the calling stage.
+        bucket_bytes: Bound on the cast copies rank 0 holds at once (see the module docstring).
+        prefetch_buckets: Buckets rank 0 prepares ahead of the one being sent.
+        device: Where the local shards live (the CPU under FSDP2 CPU offload).
+        check_finite: Rank 0 checks every weight for NaN/Inf while reading it.
+
+    Returns:
+        Counts and bytes for the report.
+
+    Raises:
+        CheckpointError: On rank 0, if a weight is missing from the source, on meta, or not finite.
+        CollectiveTimeoutError: If a rank stops participating.
+
+    Example:
+        >>> # after fully_shard on meta, on every rank:
+        >>> # distribute_from_rank0(model, source if rank == 0 else None, coll=coll, bucket_bytes=64 << 20,
+        >>> #                       prefetch_buckets=2, device=torch.device("cpu"))
+    """
+    rank, world = coll.rank, coll.world_size
+    sharded, replicated = _sharded_and_replicated(model, world)
+    budget = max(_ALIGN * world, bucket_bytes // (prefetch_buckets + 2))
+    stats = DistributeStats(sharded_tensors=len(sharded), replicated_tensors=len(replicated), bucket_budget=budget)
+    if rank == 0:
+        missing = [n for n, *_ in replicated if n not in source.tensors] + [i.name for i in sharded if i.name not in source.tensors]
+        on_meta = [i.name for i in sharded if i.name in source.tensors and source.is_meta(i.name)]
+        on_meta += [n for n, *_ in replicated if n in source.tensors and source.is_meta(n)]
+        if missing or on_meta:
+            raise CheckpointError(
+                f"rank 0 has no weights to distribute for {len(missing) + len(on_meta)} tensor(s): "
+                f"missing {missing[:10]}, on meta {on_meta[:10]}. Rank 0 must hold the real weights "
+                "(load them there, e.g. with `accelerate_memsafe.from_pretrained`)."
+            )
+        stats.from_checkpoint = len(source.from_checkpoint)
+    materialize_meta_shards(model, device)
+    buckets = plan_buckets(sharded, world, budget)
+    stats.buckets = len(buckets)
+    with torch.no_grad():
+        locals_ = {i.name: i.param.to_local() for i in sharded}
+        for item in sharded:
+            a, b = item.ranges[rank]
+            if locals_[item.name].shape[0] != b - a:
+                raise StageError(
+                    f"`{item.name}`: FSDP2 gave rank {rank} {locals_[item.name].shape[0]} rows, the plan expected "
+                    f"{b - a} (torch.chunk of {item.shape[0]} rows over {world} ranks). Please report this."
+                )
+
+        def unpack(bucket: _Bucket, buf: torch.Tensor) -> None:
+            for piece in bucket.pieces:
+                if piece.rank != rank:
+                    continue
+                item = piece.item
+                n = piece.stop - piece.start
+                a = item.ranges[rank][0]
+                src = buf[piece.offset : piece.offset + n * item.row_bytes].view(item.dtype).view(n, *item.shape[1:])
+                locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
+
+        if rank == 0:
+
+            def produce(bucket: _Bucket) -> list[torch.Tensor]:
+                slots = [torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device) for _ in range(world)]
+                for piece in bucket.pieces:
+                    item = piece.item
+                    n = piece.stop - piece.start
+                    out = slots[piece.rank][piece.offset : piece.offset + n * item.row_bytes]
+                    out = out.view(item.dtype).view(n, *item.shape[1:])
+                    source.read_rows(item.name, piece.start, piece.stop, out)
+                    if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
+                        raise CheckpointError(
+                            f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
+                            "fix the checkpoint or turn off `check_finite_weights`."
+                        )
+                for name in bucket.last_of:
+                    source.release(name)
+                return slots
+
+            prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
+            try:
+                for bucket, slots in zip(buckets, prefetcher):
+                    coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+                    unpack(bucket, slots[0])
+                    stats.bytes_sent += bucket.slot_bytes * (world - 1)
+                    del slots
+                    prefetcher.release()
+            finally:
+                prefetcher.close()
+        else:
+            for bucket in buckets:
+                buf = torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device)
+                coll.scatter(buf, None, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+                stats.bytes_received += buf.numel()
+                unpack(bucket, buf)
+                del buf
+
+        for name, mod, local, old, is_param in replicated:
+            t = torch.empty(old.shape, dtype=old.dtype, device=device)
+            if rank == 0:
+                source.read_rows(name, 0, old.shape[0] if old.dim() else 1, t)
+                source.release(name)
+            coll.broadcast(t, src=0, what=f"broadcast of `{name}`")
+            if rank == 0:
+                stats.bytes_sent += t.numel() * t.element_size() * (world - 1)
+            else:
+                stats.bytes_received += t.numel() * t.element_size()
+            if is_param:
+                torch.utils.swap_tensors(old, nn.Parameter(t, requires_grad=old.requires_grad))
+            else:
+                mod._buffers[local] = t
+    if rank == 0:
+        stats.madvised_bytes = source.released_bytes
+        source.close()
+    return stats

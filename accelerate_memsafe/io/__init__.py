@@ -1,0 +1,1 @@
+"""Plain functions that read and write files: atomic checkpoint directories, lazy tensor reads."""

@@ -1,0 +1,490 @@
+"""Read a saved optimizer state into a live optimizer in place, one tensor at a time, straight to CPU.
+
+Two formats, both as accelerate writes them:
+
+- a ``torch.save`` file (``optimizer.bin``: single process / DDP, and FSDP2 with ``FULL_STATE_DICT``).
+  It is opened with ``torch.load(map_location="meta", weights_only=True)``, which reads only the pickled
+  structure (never executing pickled code) and records where each tensor's bytes lie in the file; each
+  tensor is then read with one ``readinto`` into its destination (for an FSDP2 parameter only the rows of
+  this rank's shard are read). No second copy of the state is ever built.
+- a ``torch.distributed.checkpoint`` folder (``optimizer_<i>/``: FSDP2 with ``SHARDED_STATE_DICT``), read
+  with ``dcp.load`` into templates that *are* the destination tensors (DCP reads in place); pickled
+  non-tensor entries (hyper-parameters) are read with ``weights_only=True``.
+
+The destination of each state tensor is the optimizer's existing state tensor when it has the right shape,
+dtype and device (read in place: an optimizer that already has state costs no new memory), else a new
+tensor on CPU (``offload=True``, pinned when CUDA is present) or on the parameter's device. Nothing is
+modified before every file and shape has been checked (:func:`plan_optimizer_load`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _compat
+from ..errors import CheckpointError
+
+#: accelerate's optimizer file / folder names (``accelerate.utils.constants.OPTIMIZER_NAME``).
+OPTIMIZER_NAME = "optimizer"
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def optimizer_source(directory: str | os.PathLike, index: int) -> tuple[str, Path] | None:
+    """Where accelerate saved optimizer ``index`` in a checkpoint directory.
+
+    Returns:
+        ``("torch_file", path)``, ``("dcp", folder)``, or ``None`` if neither exists.
+
+    Example:
+        >>> optimizer_source("/nonexistent", 0) is None
+        True
+    """
+    d = Path(directory)
+    folder = d / f"{OPTIMIZER_NAME}_{index}"
+    if (folder / ".metadata").exists():
+        return "dcp", folder
+    file = d / (f"{OPTIMIZER_NAME}.bin" if index == 0 else f"{OPTIMIZER_NAME}_{index}.bin")
+    if file.exists():
+        return "torch_file", file
+    return None
+
+
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id(parameter) -> FQN`` as ``torch.distributed.checkpoint.state_dict`` names it (wrapper parts of
+    activation checkpointing / ``torch.compile`` removed)."""
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        parts = [x for x in name.split(".") if x not in _WRAPPER_PARTS]
+        out.setdefault(id(p), ".".join(parts))
+    return out
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def _shard_rows(param: torch.Tensor) -> tuple[int, int] | None:
+    """The rows ``[start, stop)`` of the full tensor held by this rank for a DTensor parameter sharded on
+    dim 0 of a 1-D mesh (``torch.chunk`` layout, as FSDP2 uses); ``None`` for a replicated one."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(param.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    if len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+        raise CheckpointError(
+            f"cannot read a full optimizer state into a parameter with placements {placements}; only "
+            "`Shard(0)` on a 1-D mesh (FSDP2's default) and `Replicate` are supported. HINT: save with "
+            "`SHARDED_STATE_DICT` (read through torch.distributed.checkpoint) for other layouts."
+        )
+    mesh = param.device_mesh
+    n, ws, rank = param.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-n // ws)
+    start = min(rank * chunk, n)
+    stop = min(start + chunk, n)
+    local_rows = _local(param).shape[0] if _local(param).dim() else 0
+    if stop - start != local_rows:
+        raise CheckpointError(
+            f"unexpected FSDP2 layout: rank {rank} holds {local_rows} of {n} rows, torch.chunk gives {stop - start}."
+        )
+    return start, stop
+
+
+@dataclass
+class _Item:
+    param: torch.Tensor
+    key: str
+    saved: Any  # meta tensor (torch file) or TensorStorageMetadata (dcp)
+    dtype: torch.dtype
+    device: torch.device
+    existing: torch.Tensor | None
+    rows: tuple[int, int] | None = None
+
+
+@dataclass
+class OptimizerLoadPlan:
+    """What :func:`execute_optimizer_load` will do; built (and fully checked) by :func:`plan_optimizer_load`."""
+
+    optimizer: torch.optim.Optimizer
+    kind: str
+    source: Path
+    items: list[_Item] = field(default_factory=list)
+    saved_groups: list[dict[str, Any]] = field(default_factory=list)
+    names: dict[int, str] = field(default_factory=dict)
+    structure: Any = None
+    pin: bool = False
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of optimizer state the plan reads."""
+        return sum(_numel(i) * i.dtype.itemsize for i in self.items)
+
+    @property
+    def largest(self) -> int:
+        """Bytes of the largest single state tensor."""
+        return max((_numel(i) * i.dtype.itemsize for i in self.items), default=0)
+
+
+def _numel(item: _Item) -> int:
+    if item.rows is not None or _is_dtensor(item.param):
+        if len(_shape(item.saved)) == 0:
+            return 1
+        return _local(item.param).numel()
+    n = 1
+    for s in _shape(item.saved):
+        n *= s
+    return n
+
+
+def _shape(saved: Any) -> tuple[int, ...]:
+    return tuple(saved.shape if isinstance(saved, torch.Tensor) else saved.size)
+
+
+def _saved_dtype(saved: Any) -> torch.dtype:
+    return saved.dtype if isinstance(saved, torch.Tensor) else saved.properties.dtype
+
+
+def _target_spec(optimizer, group, param, key, saved, *, offload: bool) -> tuple[torch.dtype, torch.device]:
+    saved_dtype = _saved_dtype(saved)
+    scalar = len(_shape(saved)) == 0
+    # torch's Optimizer.load_state_dict casts state to the parameter's dtype, except `step`.
+    dtype = param.dtype if (key != "step" and saved_dtype.is_floating_point and param.is_floating_point()) else saved_dtype
+    on_param_device = not scalar or group.get("capturable") or group.get("fused")
+    if offload or not on_param_device:
+        device = torch.device("cpu")
+    else:
+        device = _local(param).device
+    return dtype, device
+
+
+def _check_shape(source: Path, fqn: str, key: str, saved_shape: tuple[int, ...], param: torch.Tensor) -> None:
+    if not saved_shape or not _is_dtensor(param):
+        return
+    if tuple(saved_shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"{source}: optimizer state `{fqn}.{key}` has shape {tuple(saved_shape)}, the parameter has "
+            f"{tuple(param.shape)}. The checkpoint belongs to another model."
+        )
+
+
+def _load_structure(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="meta", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means the file is not a readable checkpoint
+        raise CheckpointError(
+            f"optimizer file {path} is truncated or corrupt and cannot be read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}). Nothing was loaded; restore the file or load an "
+            "earlier checkpoint."
+        ) from None
+
+
+def _iter_groups(optimizer, saved_groups, source):
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(optimizer.param_groups):
+        n = len(saved_groups) if isinstance(saved_groups, list) else "no"
+        raise CheckpointError(
+            f"{source}: the checkpoint has {n} parameter group(s), the optimizer has "
+            f"{len(optimizer.param_groups)}. The checkpoint belongs to another optimizer setup."
+        )
+    for gi, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        ids = saved.get("params", []) if isinstance(saved, Mapping) else []
+        if len(ids) != len(group["params"]):
+            raise CheckpointError(
+                f"{source}: parameter group {gi} has {len(ids)} parameter(s) in the checkpoint, "
+                f"{len(group['params'])} in the optimizer. The checkpoint belongs to another model."
+            )
+        yield group, saved, ids
+
+
+def plan_optimizer_load(
+    optimizer: torch.optim.Optimizer,
+    source: tuple[str, Path],
+    *,
+    model: torch.nn.Module | None = None,
+    offload: bool = False,
+) -> OptimizerLoadPlan:
+    """Checks a saved optimizer state against ``optimizer`` and plans reading it in place. Modifies nothing.
+
+    Args:
+        optimizer: The (unwrapped) torch optimizer to load into.
+        source: From :func:`optimizer_source`.
+        model: The model of the optimizer (needed for FSDP2 checkpoints, which name parameters by FQN).
+        offload: Put state tensors on CPU (pinned when CUDA is present) instead of the parameter's device.
+
+    Returns:
+        The plan for :func:`execute_optimizer_load`.
+
+    Raises:
+        CheckpointError: For a truncated or corrupt file, or a state that does not match the optimizer
+            (group/parameter counts, shapes), naming the file.
+
+    Example:
+        >>> # plan = plan_optimizer_load(opt, optimizer_source(ckpt, 0), offload=True)  # doctest: +SKIP
+    """
+    kind, path = source
+    names = parameter_names(model) if model is not None else {}
+    pin = offload and torch.cuda.is_available()
+    plan = OptimizerLoadPlan(optimizer=optimizer, kind=kind, source=path, names=names, pin=pin)
+    if kind == "torch_file":
+        structure = _load_structure(path)
+        if not isinstance(structure, Mapping) or "state" not in structure or "param_groups" not in structure:
+            raise CheckpointError(f"{path} is not an optimizer state dict (expected keys `state` and `param_groups`).")
+        groups = structure["param_groups"]
+        plan.saved_groups = [dict(g) for g in groups] if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups) else groups
+        size = path.stat().st_size
+        for group, saved_group, ids in _iter_groups(optimizer, plan.saved_groups, path):
+            for pid, param in zip(ids, group["params"]):
+                saved_state = structure["state"].get(pid)
+                if saved_state is None:
+                    continue
+                for key, saved in saved_state.items():
+                    if not isinstance(saved, torch.Tensor):
+                        continue  # non-tensor state is kept from the structure (see execute)
+                    _check_shape(path, str(pid), key, tuple(saved.shape), param)
+                    offset = _compat.checkpoint_file_offset(saved)
+                    if offset is not None:
+                        end = offset + saved.untyped_storage().nbytes()
+                        if end > size:
+                            raise CheckpointError(
+                                f"optimizer file {path} is truncated: state `{pid}.{key}` ends at byte {end}, "
+                                f"the file has {size} bytes. Nothing was loaded."
+                            )
+                    rows = _shard_rows(param) if _is_dtensor(param) and saved.dim() else None
+                    dtype, device = _target_spec(optimizer, group, param, key, saved, offload=offload)
+                    existing = optimizer.state.get(param, {}).get(key)
+                    plan.items.append(_Item(param, key, saved, dtype, device, _reusable(existing, param, saved, dtype, device), rows))
+        plan.structure = structure
+    elif kind == "dcp":
+        plan_dcp(plan, offload=offload)
+    else:
+        raise ValueError(f"unknown optimizer source kind {kind!r}")
+    return plan
+
+
+def plan_dcp(plan: OptimizerLoadPlan, *, offload: bool) -> None:
+    """Fills ``plan`` from the metadata of a ``torch.distributed.checkpoint`` folder (see :func:`plan_optimizer_load`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    optimizer, path = plan.optimizer, plan.source
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"optimizer checkpoint {path}/.metadata is truncated or corrupt ({type(exc).__name__}: {exc}).") from None
+    md = metadata.state_dict_metadata
+    sizes: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
+    for rel, end in sorted(sizes.items()):
+        f = path / rel
+        actual = f.stat().st_size if f.exists() else None
+        if actual is None or actual < end:
+            raise CheckpointError(
+                f"optimizer checkpoint file {f} is truncated or missing: {actual} bytes, its metadata needs "
+                f"{end}. Nothing was loaded; restore the file or load an earlier checkpoint."
+            )
+    n_groups = len({k.split(".")[2] for k in md if k.startswith("optimizer.param_groups.")})
+    if n_groups != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{path}: the checkpoint has {n_groups} parameter group(s), the optimizer has {len(optimizer.param_groups)}."
+        )
+    if not plan.names:
+        raise CheckpointError(f"{path} is a sharded (DCP) optimizer checkpoint; loading it needs the model (FQNs).")
+    by_fqn: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+    for k, v in md.items():
+        if k.startswith("optimizer.state.") and isinstance(v, TensorStorageMetadata):
+            fqn, _, key = k[len("optimizer.state."):].rpartition(".")
+            by_fqn[fqn].append((key, v))
+    known = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        if f"optimizer.param_groups.{gi}.params" not in md:
+            raise CheckpointError(f"{path}: parameter group {gi} is missing from the checkpoint.")
+        plan.saved_groups.append({k.split(".", 3)[3]: group.get(k.split(".", 3)[3]) for k in md
+                                  if k.startswith(f"optimizer.param_groups.{gi}.")})
+        for param in group["params"]:
+            fqn = plan.names.get(id(param))
+            if fqn is None:
+                raise CheckpointError(f"{path}: an optimizer parameter is not a parameter of the model passed with it.")
+            known.add(fqn)
+            for key, saved in by_fqn.get(fqn, []):
+                _check_shape(path, fqn, key, tuple(saved.size), param)
+                dtype, device = _target_spec(optimizer, group, param, key, saved, offload=offload)
+                existing = optimizer.state.get(param, {}).get(key)
+                plan.items.append(_Item(param, key, saved, dtype, device, _reusable(existing, param, saved, dtype, device)))
+    unknown = sorted(set(by_fqn) - known)
+    if unknown:
+        raise CheckpointError(f"{path}: optimizer state for parameter(s) {unknown[:5]} that the model does not have.")
+
+
+def _reusable(existing, param, saved, dtype, device) -> torch.Tensor | None:
+    if not isinstance(existing, torch.Tensor):
+        return None
+    local = _local(existing)
+    want = (tuple(_local(param).shape) if (_is_dtensor(param) and len(_shape(saved))) else _shape(saved))
+    if tuple(local.shape) != tuple(want) or local.dtype != dtype or local.device != device:
+        return None
+    if _is_dtensor(param) and len(_shape(saved)) and not _is_dtensor(existing):
+        return None
+    return existing
+
+
+def _new_tensor(item: _Item, pin: bool) -> torch.Tensor:
+    shape = _shape(item.saved)
+    if _is_dtensor(item.param) and shape:
+        from torch.distributed.tensor import DTensor
+
+        p = item.param
+        local = torch.empty(_local(p).shape, dtype=item.dtype, device=item.device, pin_memory=pin and item.device.type == "cpu")
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return torch.empty(shape, dtype=item.dtype, device=item.device, pin_memory=pin and item.device.type == "cpu" and bool(shape))
+
+
+class _FileReader:
+    """Reads tensors of a ``torch.save`` file by byte offset (or, without offsets, from an mmap'ed load)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "rb")
+        self.mmapped: Any = None
+
+    def close(self) -> None:
+        self.f.close()
+        self.mmapped = None
+
+    def read_into(self, saved: torch.Tensor, dst: torch.Tensor, rows: tuple[int, int] | None) -> int:
+        """Reads ``saved`` (rows ``rows`` of dim 0 if given) into ``dst``; returns bytes read."""
+        offset = _compat.checkpoint_file_offset(saved)
+        if offset is None or not saved.is_contiguous():
+            return self._read_mmapped(saved, dst, rows)
+        itemsize = saved.dtype.itemsize
+        start = saved.storage_offset() + (rows[0] * saved.stride(0) if rows else 0)
+        numel = dst.numel()
+        direct = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == saved.dtype
+        buf = dst if direct else torch.empty(numel, dtype=saved.dtype)
+        self.f.seek(offset + start * itemsize)
+        view = buf.reshape(-1).view(torch.uint8).numpy()
+        n = self.f.readinto(view)
+        if n != numel * itemsize:
+            raise CheckpointError(f"optimizer file {self.path} is truncated: short read ({n} of {numel * itemsize} bytes).")
+        if not direct:
+            dst.copy_(buf.view(dst.shape))
+        return n
+
+    def _read_mmapped(self, saved, dst, rows):  # pragma: no cover - torch without storage offsets
+        raise CheckpointError(
+            f"{self.path}: this torch version does not record tensor offsets in `torch.load(map_location='meta')`; "
+            "use torch >= 2.6 or disable the `optimizer_cpu_reload` stage."
+        )
+
+
+def execute_optimizer_load(plan: OptimizerLoadPlan) -> dict[str, int]:
+    """Reads the planned state into the optimizer (in place where possible) and installs it.
+
+    Returns:
+        ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors"}``.
+
+    Example:
+        >>> # execute_optimizer_load(plan_optimizer_load(opt, source))  # doctest: +SKIP
+    """
+    optimizer = plan.optimizer
+    figures = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": len(plan.items)}
+    targets: list[torch.Tensor] = []
+    for item in plan.items:
+        t = item.existing if item.existing is not None else _new_tensor(item, plan.pin)
+        targets.append(t)
+        nbytes = _local(t).numel() * _local(t).element_size()
+        figures["in_place_bytes" if item.existing is not None else "new_bytes"] += nbytes
+    if plan.kind == "torch_file":
+        reader = _FileReader(plan.source)
+        try:
+            for item, t in zip(plan.items, targets):
+                figures["bytes_read"] += reader.read_into(item.saved, _local(t), item.rows)
+        finally:
+            reader.close()
+        saved_state = plan.structure["state"]
+        ids_by_param = {id(p): pid for g, sg in zip(optimizer.param_groups, plan.saved_groups)
+                        for pid, p in zip(sg["params"], g["params"])}
+    else:
+        _dcp_read(plan, targets)
+        figures["bytes_read"] = sum(_local(t).numel() * _local(t).element_size() for t in targets)
+        saved_state, ids_by_param = {}, {}
+    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+    for item, t in zip(plan.items, targets):
+        state[item.param][item.key] = t
+    for group in optimizer.param_groups:  # non-tensor state entries travel in the pickled structure
+        for p in group["params"]:
+            for key, value in saved_state.get(ids_by_param.get(id(p)), {}).items():
+                if not isinstance(value, torch.Tensor):
+                    state[p][key] = value
+    groups = []
+    for group, saved in zip(optimizer.param_groups, plan.saved_groups):
+        new = {**saved, "params": group["params"]}
+        if "param_names" in group and "param_names" not in new:
+            new["param_names"] = group["param_names"]
+        groups.append(new)
+    # What torch's load_state_dict does after casting; we skip its cast, which would copy every state
+    # tensor to the parameter's device (the stale-device-copy bug this stage exists to avoid).
+    optimizer.__setstate__({"state": state, "param_groups": groups})
+    plan.items.clear()
+    plan.structure = None
+    return figures
+
+
+def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        """DCP reads pickled (non-tensor) entries with ``weights_only=False``; we never run pickled code."""
+
+        def load_bytes(self, read_item, value):
+            value.seek(0)
+            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    # DCP's reader keeps the previous item's temporary tensor alive while it reads the next one, so two
+    # large items in one `dcp.load` would cost twice the largest tensor. Large items (more than half the
+    # largest) are read one per call, the rest together; the batches are the same on every rank because
+    # they are computed from global sizes.
+    def global_bytes(item: _Item) -> int:
+        n = 1
+        for d in _shape(item.saved):
+            n *= d
+        return n * _saved_dtype(item.saved).itemsize
+
+    largest = max((global_bytes(i) for i in plan.items), default=0)
+    small = [k for k, i in enumerate(plan.items) if 2 * global_bytes(i) <= largest]
+    batches = [small] + [[k] for k, i in enumerate(plan.items) if 2 * global_bytes(i) > largest]
+    groups = [{**g, "params": None} for g in plan.saved_groups]
+    reader_dir = str(plan.source)
+    for b, batch in enumerate(batches):
+        state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+        for k in batch:
+            state[plan.names[id(plan.items[k].param)]][plan.items[k].key] = targets[k]
+        body: dict[str, Any] = {"state": dict(state)}
+        if b == 0:
+            body["param_groups"] = groups
+        template = {"optimizer": body}
+        dcp.load(template, storage_reader=dcp.FileSystemReader(reader_dir), planner=_WeightsOnlyLoadPlanner())
+        for k in batch:  # DCP may replace a non-DTensor template (e.g. `step`) instead of filling it
+            item = plan.items[k]
+            got = template["optimizer"]["state"][plan.names[id(item.param)]][item.key]
+            if got is not targets[k]:
+                _local(targets[k]).copy_(_local(got))
+        if b == 0:
+            plan.saved_groups = [dict(g) for g in template["optimizer"]["param_groups"]]
+        del template, state, body

@@ -1,0 +1,274 @@
+"""Lazy, tensor-by-tensor reads of a safetensors checkpoint (one file or a sharded ``*.index.json``).
+
+The header of each file (8-byte length + JSON: names, dtypes, shapes, byte offsets) is parsed directly
+and checked against the file size; tensor data is read with ``pread`` straight into the caller's buffer,
+row range by row range. Nothing is memory mapped (``safe_open`` would map the whole file and keep every
+page it touched in this process's RSS until closed), so reading a checkpoint does not grow the RSS with
+file pages: what was read sits in the kernel's page cache, which the kernel can drop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+
+#: safetensors dtype names -> torch dtypes.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: file, absolute byte offset of its data, shape and dtype."""
+
+    file: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index along dim 0 (the whole tensor for a 0-d tensor)."""
+        if not self.shape:
+            return self.nbytes
+        return self.nbytes // self.shape[0] if self.shape[0] else 0
+
+
+def _read_header(file: str) -> dict[str, TensorEntry]:
+    try:
+        with open(file, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{file} is not a safetensors file: it is shorter than 8 bytes.")
+            (n,) = struct.unpack("<Q", raw)
+            if n > 100 * 2**20:
+                raise CheckpointError(f"{file} is not a safetensors file: header size {n} is implausible.")
+            header = json.loads(f.read(n))
+    except OSError as exc:
+        raise CheckpointError(f"cannot read safetensors file {file}: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{file} has a corrupt safetensors header: {exc}") from exc
+    base = 8 + n
+    size = os.path.getsize(file)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(f"{file}: tensor `{name}` has dtype {info['dtype']} which torch cannot read.")
+        begin, end = info["data_offsets"]
+        entry = TensorEntry(file, base + begin, tuple(info["shape"]), DTYPES[info["dtype"]])
+        if end - begin != entry.nbytes or base + end > size:
+            raise CheckpointError(
+                f"{file}: tensor `{name}` claims bytes [{begin}, {end}) for shape {entry.shape} {entry.dtype}, "
+                f"but the file has {size - base} data bytes: the file is truncated or corrupt."
+            )
+        out[name] = entry
+    return out
+
+
+class SafetensorsSource:
+    """Reads tensors of a safetensors checkpoint lazily, row range by row range.
+
+    Args:
+        path: A ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory holding either
+            (``model.safetensors`` or ``model.safetensors.index.json``).
+
+    Raises:
+        CheckpointError: If nothing readable is found, or an index names a missing file.
+
+    Example:
+        >>> # src = SafetensorsSource("ckpt/")
+        >>> # src.read("lm_head.weight", 0, 128)  # rows 0..127 only
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self.files = self._resolve(Path(path))
+        self.entries: dict[str, TensorEntry] = {}
+        for file in self.files:
+            for name, entry in _read_header(file).items():
+                if name in self.entries:
+                    raise CheckpointError(f"tensor `{name}` appears in both {self.entries[name].file} and {file}.")
+                self.entries[name] = entry
+        self._fds: dict[str, int] = {}
+
+    @staticmethod
+    def _resolve(path: Path) -> list[str]:
+        if path.is_dir():
+            for name in ("model.safetensors.index.json", "model.safetensors"):
+                if (path / name).exists():
+                    return SafetensorsSource._resolve(path / name)
+            found = sorted(path.glob("*.safetensors"))
+            if not found:
+                raise CheckpointError(f"no safetensors checkpoint in {path}: expected model.safetensors or an index.json.")
+            return [str(p) for p in found]
+        if path.name.endswith(".json"):
+            try:
+                index = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise CheckpointError(f"cannot read the index {path}: {exc}") from exc
+            files = sorted(set(index.get("weight_map", {}).values()))
+            missing = [f for f in files if not (path.parent / f).exists()]
+            if missing:
+                raise CheckpointError(f"the index {path} names shard file(s) that do not exist: {missing}.")
+            return [str(path.parent / f) for f in files]
+        if not path.exists():
+            raise CheckpointError(f"safetensors checkpoint {path} does not exist.")
+        return [str(path)]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def keys(self) -> Iterable[str]:
+        return self.entries.keys()
+
+    def validate(self, expected: Mapping[str, tuple[tuple[int, ...], torch.dtype | None]]) -> None:
+        """Checks that every expected tensor is present with the expected shape.
+
+        Args:
+            expected: Name -> (shape, dtype or ``None`` when any dtype is fine).
+
+        Raises:
+            CheckpointError: Listing missing tensors and shape/dtype mismatches (first 10 of each).
+        """
+        missing = [n for n in expected if n not in self.entries]
+        wrong = []
+        for name, (shape, dtype) in expected.items():
+            entry = self.entries.get(name)
+            if entry is None:
+                continue
+            if tuple(entry.shape) != tuple(shape) or (dtype is not None and entry.dtype != dtype):
+                wrong.append(f"`{name}`: checkpoint {entry.shape} {entry.dtype}, model {tuple(shape)} {dtype}")
+        if missing or wrong:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} tensor(s) missing from the checkpoint: {missing[:10]}")
+            if wrong:
+                parts.append(f"{len(wrong)} tensor(s) do not match: {wrong[:10]}")
+            raise CheckpointError(
+                f"checkpoint {self.path} does not match the model: " + "; ".join(parts)
+                + ". Load the model from the same checkpoint (same config) or pass the matching path."
+            )
+
+    def _fd(self, file: str) -> int:
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = os.open(file, os.O_RDONLY)
+            self._fds[file] = fd
+        return fd
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reads rows ``[start, stop)`` (along dim 0) of one tensor, in the checkpoint's dtype.
+
+        Args:
+            name: Tensor name.
+            start: First row (default 0).
+            stop: One past the last row (default: all rows).
+            out: Optional contiguous tensor of the right shape and dtype to read into (no allocation).
+
+        Returns:
+            The rows (``out`` when given).
+
+        Raises:
+            CheckpointError: For an unknown name or a short read (the file changed underneath).
+        """
+        entry = self.entries.get(name)
+        if entry is None:
+            raise CheckpointError(f"tensor `{name}` is not in the checkpoint {self.path}.")
+        rows = entry.shape[0] if entry.shape else 1
+        start = 0 if start is None else start
+        stop = rows if stop is None else stop
+        shape = ((stop - start), *entry.shape[1:]) if entry.shape else ()
+        if out is None:
+            out = torch.empty(shape, dtype=entry.dtype)
+        nbytes = (stop - start) * entry.row_bytes
+        if nbytes:
+            view = memoryview(out.view(torch.uint8).numpy() if out.dtype != torch.uint8 else out.numpy()).cast("B")
+            fd = self._fd(entry.file)
+            done = 0
+            offset = entry.offset + start * entry.row_bytes
+            while done < nbytes:
+                n = os.preadv(fd, [view[done:nbytes]], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"short read of `{name}` from {entry.file}: the file changed while reading.")
+                done += n
+        return out
+
+    def close(self) -> None:
+        """Closes the open file descriptors."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def file_backed_ranges(path_suffix: str = ".safetensors") -> list[tuple[int, int, int, str]]:
+    """The mappings of regular files in this process whose path ends with ``path_suffix``.
+
+    Returns:
+        ``(start, end, file_offset, path)`` per mapping (empty where ``/proc`` is unavailable).
+    """
+    out = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 6:
+                    continue  # anonymous mapping
+                name = parts[5].strip()
+                # only regular files: never [heap], [stack], memfd or deleted files (anonymous memory,
+                # where MADV_DONTNEED would zero data instead of dropping clean file pages)
+                if not name.startswith("/") or name.endswith("(deleted)") or not name.endswith(path_suffix):
+                    continue
+                if not os.path.isfile(name):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, int(parts[2], 16), os.path.realpath(parts[5].strip())))
+    except OSError:
+        return []
+    return out
+
+
+def is_view_of_entry(tensor: torch.Tensor, entry: TensorEntry, maps: list[tuple[int, int, int, str]]) -> bool:
+    """Whether ``tensor``'s bytes are the memory-mapped bytes of ``entry`` (a zero-copy load).
+
+    transformers 5 loads weights as views of a copy-on-write mmap of the checkpoint; such a tensor can be
+    re-read from the file with ``pread`` instead of paging the mapping in.
+    """
+    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape or not tensor.is_contiguous():
+        return False
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    ptr = tensor.data_ptr()
+    real = os.path.realpath(entry.file)
+    for lo, hi, off, path in maps:
+        if lo <= ptr < hi and path == real:
+            return ptr - lo + off == entry.offset
+    return False

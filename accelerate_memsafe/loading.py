@@ -1,0 +1,109 @@
+"""``from_pretrained``: rank 0 loads the weights, every other rank builds the same model on ``meta``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .env import launch_env
+from .errors import ConfigError
+
+#: Keyword arguments of ``from_pretrained`` that also shape the model built from its config.
+_BUILD_KWARGS = ("attn_implementation",)
+#: Keyword arguments that say where and how to read the config.
+_CONFIG_KWARGS = ("revision", "subfolder", "cache_dir", "local_files_only", "token", "trust_remote_code", "force_download")
+#: Keyword arguments that only matter when weights are read (ignored on the ranks that build on meta).
+_LOAD_ONLY_KWARGS = (
+    "device_map", "low_cpu_mem_usage", "use_safetensors", "weights_only", "max_memory", "offload_folder",
+    "offload_state_dict", "state_dict", "quantization_config", "key_mapping", "output_loading_info",
+    "ignore_mismatched_sizes", "tp_plan", "tp_size", "device_mesh", "variant", "gguf_file", "adapter_kwargs",
+    "adapter_name", "use_kernels", "distributed_config", "proxies", "resume_download", "_fast_init",
+)
+
+
+def from_pretrained(model_cls: Any, path: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:
+    """Loads a transformers model for an FSDP2 ``prepare`` that reads the weights on rank 0 only.
+
+    Rank 0 calls ``model_cls.from_pretrained(path, **kwargs)`` (transformers maps the checkpoint, so this
+    is cheap until the weights are read). Every other rank builds the same model from the config with its
+    parameters on ``meta`` (no memory) and real non-persistent buffers; ``prepare`` with the plugin then
+    sends each rank its shard. On rank 0 the checkpoint path is remembered, so that ``rank0_distribute``
+    re-reads unmodified weights from the file with ``pread`` instead of paging the mapping in.
+
+    Args:
+        model_cls: Any transformers model class or auto class (``AutoModelForCausalLM``, ``LlamaForCausalLM`` ...).
+        path: Local directory (or hub id) of the checkpoint.
+        **kwargs: Passed to ``model_cls.from_pretrained`` on rank 0; on the other ranks ``dtype``,
+            ``attn_implementation``, config overrides and config-location arguments are honoured.
+
+    Returns:
+        The model: loaded on rank 0, on ``meta`` elsewhere. Pass it to ``accelerator.prepare`` before
+        using it (a non-zero rank's model has no weights until then).
+
+    Raises:
+        ConfigError: When called under a multi-process launch before the process group exists (build
+            the ``Accelerator`` first).
+
+    Example:
+        >>> # accelerator = Accelerator(plugins=[MemSafePlugin()], fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        >>> # model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, "ckpt/", dtype=torch.bfloat16)
+        >>> # model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    """
+    import torch.distributed as dist
+
+    env = launch_env()
+    initialized = dist.is_available() and dist.is_initialized()
+    if env.world_size > 1 and not initialized:
+        raise ConfigError(
+            f"`accelerate_memsafe.from_pretrained` was called on rank {env.rank} of a {env.world_size}-process launch "
+            "before the process group exists, so it cannot tell rank 0 from the others. HINT: build the "
+            "`Accelerator(...)` first, then call `from_pretrained`."
+        )
+    rank = dist.get_rank() if initialized else 0
+    if rank == 0:
+        model = model_cls.from_pretrained(path, **kwargs)
+        if os.path.isdir(path):
+            # read by `meta_placement` (rank 0 only); plain attribute, not a buffer or parameter
+            object.__setattr__(model, "_memsafe_checkpoint", os.fspath(path))
+        return model
+    return _build_on_meta(model_cls, path, kwargs)
+
+
+def _build_on_meta(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", None)
+    if dtype is None:
+        dtype = kwargs.pop("torch_dtype", None)
+    else:
+        kwargs.pop("torch_dtype", None)
+    build = {k: kwargs.pop(k) for k in _BUILD_KWARGS if k in kwargs}
+    config_kwargs = {k: kwargs.pop(k) for k in _CONFIG_KWARGS if k in kwargs}
+    for k in _LOAD_ONLY_KWARGS:
+        kwargs.pop(k, None)
+    config = kwargs.pop("config", None)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        config, unused = AutoConfig.from_pretrained(config or path, return_unused_kwargs=True, **config_kwargs, **kwargs)
+    else:
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    trust = config_kwargs.get("trust_remote_code")
+    # Buffers stay real: non-persistent ones (rotary inv_freq ...) are then computed here as on rank 0.
+    with init_empty_weights(include_buffers=False):
+        if hasattr(model_cls, "from_config") and not hasattr(model_cls, "_from_config"):
+            extra = {"trust_remote_code": trust} if trust is not None else {}
+            model = model_cls.from_config(config, dtype=dtype, **build, **extra)
+        else:
+            model = model_cls._from_config(config, dtype=dtype, **build)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # init_empty_weights re-creates parameters, which unties them
+    model.eval()  # as from_pretrained returns it
+    return model

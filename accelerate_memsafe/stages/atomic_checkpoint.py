@@ -1,0 +1,96 @@
+"""``atomic_checkpoint``: checkpoints appear complete or not at all; loads refuse incomplete ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CheckpointError
+from ..io import atomic
+from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+
+
+class AtomicCheckpointStage(Stage):
+    """On ``save_state`` / ``save_model``: accelerate writes into a temporary directory, which is fsynced,
+    marked complete and swapped into place once every rank is done (the previous checkpoint of the same
+    name survives until then). With accelerate's automatic checkpoint naming the name is resolved here, and
+    the rolling ``total_limit`` deletion runs after the new checkpoint is complete.
+
+    On ``load_state``: resolves the latest *complete* checkpoint when no directory is given, and refuses a
+    temporary, incomplete or truncated directory, or one written by another number of processes, before
+    anything is loaded.
+    """
+
+    name = "atomic_checkpoint"
+    hooks = ("save_state", "save_model", "load_state")
+    run_before = ("optimizer_cpu_reload",)
+    summary = "write checkpoints under a temp name, fsync, swap in; refuse incomplete ones on load"
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if ctx.hook == "load_state":
+            return self._check_load(ctx)
+        config = ctx.scratch.get("project_configuration")
+        auto = ctx.hook == "save_state" and config is not None and config.automatic_checkpoint_naming
+        temp_parent = None
+        if auto:
+            folder = Path(config.project_dir) / "checkpoints"
+            final = folder / f"checkpoint_{config.iteration}"
+            if final.exists():
+                raise CheckpointError(
+                    f"Checkpoint directory {final} ({config.iteration}) already exists. Please manually override "
+                    "`accelerator.project_configuration.iteration` with what iteration to start with."
+                )
+            # accelerate lists every entry of `checkpoints/`: keep temporary directories out of it.
+            temp_parent = Path(config.project_dir)
+            ctx.scratch["upstream_explicit_dir"] = True
+        elif ctx.directory is None:
+            return skipped("no output directory given")
+        else:
+            final = Path(ctx.directory).expanduser()
+            if final.is_file():
+                return skipped(f"{final} is a file (accelerate raises)")
+        temp = atomic.temp_dir_for(final, parent=temp_parent)
+        if ctx.rank == 0:
+            atomic.recover(final)
+            atomic.begin(temp)
+        atomic.barrier(ctx.world_size)
+        ctx.scratch["atomic"] = {"final": final, "temp": temp, "auto": auto}
+        ctx.directory = str(temp)
+        return ran(final=str(final), temp=str(temp))
+
+    def after(self, ctx: HookContext) -> StageOutcome | None:
+        if ctx.hook == "load_state":
+            return None
+        info = ctx.scratch.pop("atomic")
+        final, temp = info["final"], info["temp"]
+        atomic.barrier(ctx.world_size)  # every rank has written its files
+        details: dict = {}
+        if ctx.rank == 0:
+            marker = atomic.finalize(temp, final, world_size=ctx.world_size, carry_over=ctx.hook == "save_model")
+            details = {"files": len(marker["files"]), "bytes": sum(marker["files"].values())}
+            if info["auto"]:
+                config = ctx.scratch["project_configuration"]
+                deleted = atomic.roll_total_limit(final.parent, config.total_limit, keep=final)
+                details["deleted"] = [str(p) for p in deleted]
+        atomic.barrier(ctx.world_size)
+        ctx.directory = str(final)
+        if isinstance(ctx.result, (str, Path)) and Path(ctx.result) == temp:
+            ctx.result = str(final)
+        return ran(**details)
+
+    def _check_load(self, ctx: HookContext) -> StageOutcome:
+        config = ctx.scratch.get("project_configuration")
+        if ctx.directory is None:
+            if config is None or not config.automatic_checkpoint_naming:
+                return skipped("no input directory given (accelerate raises)")
+            folder = Path(config.project_dir) / "checkpoints"
+            found = atomic.complete_checkpoints(folder)
+            if not found:
+                raise CheckpointError(f"no complete checkpoint in {folder} to resume from.")
+            ctx.directory = str(found[-1])
+        path = Path(ctx.directory).expanduser()
+        if ctx.rank == 0:
+            atomic.recover(path)
+        atomic.barrier(ctx.world_size)
+        marker = atomic.check_loadable(path, world_size=ctx.world_size)
+        ctx.directory = str(path)
+        return ran(directory=str(path), marked_complete=marker is not None)

@@ -1,0 +1,27 @@
+"""``buffer_init``: every non-persistent buffer recomputed or broadcast, then verified across ranks."""
+
+from __future__ import annotations
+
+from ..distributed.buffers import init_non_persistent_buffers
+from ..distributed.collectives import Collectives
+from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+
+
+class BufferInitStage(Stage):
+    """Makes each non-persistent buffer (rotary ``inv_freq``, masks ...) correct on every rank: from the
+    module's own recipe (transformers' ``_init_weights``, ``reset_parameters``) where one exists, else
+    broadcast from rank 0; then checks that each is finite and bitwise identical on every rank."""
+
+    name = "buffer_init"
+    hooks = ("prepare",)
+    requires = ("shard",)
+    summary = "recompute/broadcast non-persistent buffers; verify finite + identical"
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if not ctx.is_fsdp2 or ctx.model is None:
+            return skipped("not an FSDP2 run with a model")
+        if ctx.world_size < 2:
+            return skipped("single process: nothing to synchronise")
+        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        stats = init_non_persistent_buffers(ctx.model, coll=coll, device=ctx.device)
+        return ran(**vars(stats))

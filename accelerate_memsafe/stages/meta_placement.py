@@ -1,0 +1,72 @@
+"""``meta_placement``: before ``shard``, every rank's weights go to ``meta``; rank 0 keeps the originals.
+
+On ``meta``, accelerate's fp32 upcast (``mixed_precision != "no"``) and ``fully_shard`` cost nothing, so
+no rank ever commits a full copy of the model. Rank 0's original tensors (often zero-copy views of the
+mmap'ed checkpoint, or, for a model from :func:`accelerate_memsafe.from_pretrained`, the checkpoint file
+itself) become the source that ``rank0_distribute`` reads from.
+
+Runs whether or not ``fsdp_plugin.cpu_ram_efficient_loading`` is set: rank 0's weights are what every
+rank ends up with, which is what data-parallel training needs in both cases (with the flag off, stock
+accelerate keeps each rank's own copy, which only works if they are all equal anyway).
+"""
+
+from __future__ import annotations
+
+from ..distributed.collectives import Collectives
+from ..distributed.meta import (
+    agree_on_structure,
+    checkpoint_source_names,
+    move_to_meta,
+    parallelism_blocks_meta_placement,
+)
+from ..distributed.scatter import Rank0Source
+from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+
+#: ``ctx.scratch`` key of rank 0's weight source (``Rank0Source``); ``None`` on other ranks.
+SOURCE_KEY = "rank0_source"
+#: ``ctx.scratch`` key set on every rank when the weights were moved to meta.
+PLACED_KEY = "meta_placed"
+
+
+class MetaPlacementStage(Stage):
+    """Moves parameters and persistent buffers to ``meta`` on every rank (ties and optimizer references
+    kept); rank 0 keeps the originals as the distribution source. Checks first that every rank holds the
+    same model as rank 0 (names and shapes) and that rank 0 holds real weights."""
+
+    name = "meta_placement"
+    hooks = ("prepare",)
+    run_before = ("shard",)
+    summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if not ctx.is_fsdp2:
+            return skipped("not an FSDP2 run")
+        if ctx.model is None:
+            return skipped("no model passed to prepare")
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(ctx.model, FSDPModule):
+            return skipped("model is already sharded")
+        if ctx.world_size < 2:
+            return skipped("single process: nothing to distribute")
+        why = parallelism_blocks_meta_placement(ctx.mesh, ctx.scratch.get("parallelism_config"))
+        if why:
+            return skipped(why)
+        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        reference = agree_on_structure(ctx.model, coll)
+        is_src = ctx.rank == 0
+        originals = move_to_meta(ctx.model, ctx.optimizers, reference, keep=is_src)
+        details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference)}
+        if is_src:
+            checkpoint, names = checkpoint_source_names(originals, getattr(ctx.model, "_memsafe_checkpoint", None))
+            ctx.scratch[SOURCE_KEY] = Rank0Source(originals, checkpoint, names)
+            details["from_checkpoint"] = len(names)
+        ctx.scratch[PLACED_KEY] = True
+        return ran(**details)
+
+
+def _nbytes(m) -> int:
+    n = m.dtype.itemsize
+    for s in m.shape:
+        n *= s
+    return n

@@ -1,0 +1,63 @@
+"""``optimizer_cpu_reload``: read the optimizer state in place, straight into CPU tensors; reclaim."""
+
+from __future__ import annotations
+
+from ..distributed.optimizer_offload import reclaim_device_memory
+from ..io.optimizer_state import execute_optimizer_load, optimizer_source, plan_optimizer_load
+from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+
+
+def _distributed_type() -> str:
+    from accelerate.state import AcceleratorState
+
+    return str(getattr(AcceleratorState(), "distributed_type", ""))
+
+
+class OptimizerCpuReloadStage(Stage):
+    """Replaces accelerate's optimizer load. Before accelerate runs, every optimizer file is checked
+    (truncated or mismatched files are refused while nothing has changed) and a read plan is made; once
+    accelerate has loaded the rest (model, schedulers, dataloaders, RNG), each state tensor is read into
+    the optimizer's existing state tensor in place, or into a new CPU tensor (``optimizer_offload``) or
+    device tensor; nothing else holds the loaded data, so ``gc.collect()`` plus emptying the device cache
+    reclaim everything a stock load would leave behind.
+    """
+
+    name = "optimizer_cpu_reload"
+    hooks = ("load_state",)
+    summary = "read optimizer state in place / straight to CPU, drop the loaded dicts, reclaim device memory"
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if ctx.directory is None:
+            return skipped("no input directory given")
+        if not ctx.optimizers:
+            return skipped("no prepared optimizer")
+        dtype = _distributed_type()
+        if "DEEPSPEED" in dtype or "MEGATRON" in dtype:
+            return skipped(f"{dtype} saves the optimizer itself")
+        if "FSDP" in dtype and not ctx.is_fsdp2:
+            return skipped("FSDP1 optimizer state is flattened; accelerate loads it")
+        plans = []
+        for i, optimizer in enumerate(ctx.optimizers):
+            source = optimizer_source(ctx.directory, i)
+            if source is None:
+                return skipped(f"no accelerate optimizer file for optimizer {i} in {ctx.directory}; accelerate loads it")
+            model = ctx.models[i] if i < len(ctx.models) else None
+            plans.append(plan_optimizer_load(optimizer, source, model=model, offload=ctx.options.optimizer_offload))
+        ctx.scratch["optimizer_plans"] = plans
+        ctx.scratch["upstream_skips_optimizers"] = True
+        return ran(
+            optimizers=len(plans),
+            formats=sorted({p.kind for p in plans}),
+            state_bytes=sum(p.bytes for p in plans),
+            largest_state_tensor_bytes=max(p.largest for p in plans),
+        )
+
+    def after(self, ctx: HookContext) -> StageOutcome:
+        plans = ctx.scratch.pop("optimizer_plans")
+        totals = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": 0}
+        for plan in plans:
+            for k, v in execute_optimizer_load(plan).items():
+                totals[k] += v
+        del plans
+        reclaimed = reclaim_device_memory(ctx.device)
+        return ran(**totals, reclaimed_device_bytes=reclaimed["reclaimed_bytes"])

@@ -1,0 +1,44 @@
+"""``rank0_distribute``: after ``shard``, rank 0 scatters each rank's own shard, bucket by bucket."""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed.collectives import Collectives
+from ..distributed.scatter import distribute_from_rank0
+from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from .meta_placement import PLACED_KEY, SOURCE_KEY
+
+
+class Rank0DistributeStage(Stage):
+    """Fills the ``meta`` shards left by ``meta_placement`` + ``shard``: rank 0 reads each tensor (from
+    the model it loaded or lazily from the checkpoint), casts it to the sharded parameter's dtype per
+    row range, and ``scatter``\\s to each rank only its rows, in buckets bounded by ``bucket_bytes``
+    with ``prefetch_buckets`` prepared ahead. Persistent buffers are broadcast. Works with FSDP2 CPU
+    offload (shards stay on the CPU)."""
+
+    name = "rank0_distribute"
+    hooks = ("prepare",)
+    requires = ("shard",)
+    run_before = ("buffer_init",)
+    summary = "rank 0 scatters each rank's shard in bounded buckets"
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if not ctx.scratch.get(PLACED_KEY):
+            return skipped("`meta_placement` did not move the weights to meta: they are already in place")
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
+        device = torch.device("cpu") if offload else ctx.device
+        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        source = ctx.scratch.pop(SOURCE_KEY, None)
+        stats = distribute_from_rank0(
+            ctx.model,
+            source,
+            coll=coll,
+            bucket_bytes=self.options.bucket_bytes,
+            prefetch_buckets=self.options.prefetch_buckets,
+            device=device,
+            check_finite=self.options.check_finite_weights,
+        )
+        return ran(**vars(stats))

@@ -1,0 +1,350 @@
+"""FSDP2 ``prepare`` of a Llama checkpoint on N CPU gloo ranks: stock accelerate vs torch DCP vs the plugin.
+
+Two settings, each in fresh processes: an fp32 checkpoint (``mixed_precision="no"``) and a bf16 checkpoint
+prepared with ``mixed_precision="bf16"`` (accelerate keeps fp32 master weights, so it upcasts). Paths:
+
+* ``stock``: every rank ``from_pretrained`` (transformers maps the file), then ``prepare`` through our
+  ``Accelerator`` with ``MemSafePlugin(stages=[])`` and ``cpu_ram_efficient_loading=True``, so that
+  accelerate's own ``fsdp2_prepare_model`` (upcast, move to meta, ``fully_shard``,
+  ``fsdp2_load_full_state_dict`` broadcast) runs, forced onto CPU FSDP2 the way the plugin does
+  (``_compat.promote_state_to_fsdp``).
+* ``dcp``: rank 0 ``from_pretrained``, other ranks build on meta; the model goes to meta, accelerate's
+  wrapping (``_compat.fsdp2_wrap``), ``to_empty``, then torch DCP
+  ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` from rank 0's state dict.
+* ``memsafe``: ``accelerate_memsafe.from_pretrained`` + ``prepare`` with the plugin's prepare stages.
+
+Per rank: peak RSS and peak RssAnon over the process baseline (sampled every 2 ms, VmHWM cross-check),
+wall time of load + prepare, bytes received through ``broadcast``/``scatter`` (counted by wrapping them).
+Prints one JSON line; ``--markdown FILE`` appends a table.
+
+    python benchmarks/prepare.py --model-size 1g --world-size 2 --markdown /tmp/prepare.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+MIB = 2**20
+PATHS = ("stock", "dcp", "memsafe")
+SETTINGS = {"fp32": ("float32", "no"), "bf16": ("bfloat16", "bf16")}
+
+
+class _Sampler:
+    def __init__(self, interval: float = 0.002) -> None:
+        from accelerate_memsafe.memory.procfs import read_proc_memory
+
+        self._read = read_proc_memory
+        self.interval = interval
+        self.peak_rss = self.peak_anon = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            m = self._read()
+            self.peak_rss, self.peak_anon = max(self.peak_rss, m.rss), max(self.peak_anon, m.anon)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        m = self._read()
+        self.peak_rss, self.peak_anon = max(self.peak_rss, m.rss), max(self.peak_anon, m.anon)
+
+
+def _count_received(rank: int) -> dict:
+    """Wraps broadcast/scatter (module and c10d attributes) to count the bytes this rank receives."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    counter = {"bytes": 0}
+
+    def wrap(fn, kind):
+        def inner(tensor, *args, **kwargs):
+            src = kwargs.get("src", args[1] if kind == "scatter" and len(args) > 1 else args[0] if args else 0)
+            if kind == "broadcast" and src != rank:
+                counter["bytes"] += tensor.numel() * tensor.element_size()
+            if kind == "scatter" and src != rank:
+                counter["bytes"] += tensor.numel() * tensor.element_size()
+            return fn(tensor, *args, **kwargs)
+
+        return inner
+
+    for name in ("broadcast", "scatter"):
+        orig = getattr(c10d, name)
+        wrapped = wrap(orig, name)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    return counter
+
+
+def _worker(rank: int, world: int, port: int, path: str, setting: str, ckpt: str, bucket: int, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    try:
+        queue.put((rank, "ok", _run(rank, world, path, setting, ckpt, bucket)))
+    except BaseException as exc:  # noqa: BLE001
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+    from accelerate_memsafe.memory.procfs import malloc_trim, read_proc_memory, reset_peak_rss
+
+    torch.set_num_threads(1)
+    dtype_name, mp_name = SETTINGS[setting]
+    dtype = getattr(torch, dtype_name)
+    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
+    plugin = None
+    if path == "stock":
+        plugin = MemSafePlugin(stages=[], track_live_tensors=False)
+    elif path == "memsafe":
+        plugin = MemSafePlugin(
+            stages=["meta_placement", "shard", "rank0_distribute", "buffer_init"], bucket_bytes=bucket, track_live_tensors=False
+        )
+    if plugin is not None:
+        acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name)
+    else:
+        from accelerate import PartialState
+
+        PartialState(cpu=True)  # gloo process group (accelerate's logging in fsdp2_prepare_model needs a state)
+        if mp_name != "no":
+            fsdp_plugin.set_mixed_precision(mp_name)
+    counter = _count_received(rank)
+    _warm_up()
+    dist.barrier()
+    malloc_trim()
+    reset_peak_rss()
+    base = read_proc_memory()
+    t0 = time.perf_counter()
+    with _Sampler() as sampler:
+        if path == "stock":
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, opt = acc.prepare(model, opt)
+        elif path == "memsafe":
+            model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, ckpt, dtype=dtype)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            model, opt = acc.prepare(model, opt)
+        else:
+            model = _dcp_load(rank, ckpt, dtype, fsdp_plugin, mp_name)
+        dist.barrier()
+    wall = time.perf_counter() - t0
+    hwm = read_proc_memory().hwm
+    from torch.distributed.tensor import DTensor
+
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
+    checksum = float(sum((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum() for p in model.parameters()))
+    shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
+    dist.barrier()
+    return {
+        "rank": rank,
+        "rss_peak_mib": (sampler.peak_rss - base.rss) / MIB,
+        "anon_peak_mib": (sampler.peak_anon - base.anon) / MIB,
+        "hwm_mib": (hwm - base.rss) / MIB,
+        "wall_s": wall,
+        "received_mib": counter["bytes"] / MIB,
+        "local_mib": local / MIB,
+        "checksum": checksum,
+        "shapes": shapes if rank == 0 else None,
+    }
+
+
+def _warm_up() -> None:
+    """Imports and first-use allocations (model code, dispatch caches) happen before the baseline, for
+    every path alike, so that the figures are about the weights."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from accelerate_memsafe.models import llama_config
+
+    model = LlamaForCausalLM(llama_config("tiny"))
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    del model
+
+
+def _dcp_load(rank: int, ckpt: str, dtype, fsdp_plugin, mp_name: str):
+    import torch
+    from accelerate import init_empty_weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from accelerate_memsafe import _compat
+
+    if rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+        full_sd = model.state_dict()
+    else:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt), dtype=dtype)
+        full_sd = {}
+    model = model.to("meta")
+    model.tie_weights()
+    model = _compat.fsdp2_wrap(
+        model, fsdp_plugin=fsdp_plugin, mixed_precision=mp_name, mesh=None, parallelism_config=None,
+        is_main_process=rank == 0, device=torch.device("cpu"),
+    )
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full_sd
+    return model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, path: str, setting: str, ckpt: str, bucket: int, timeout: float) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, path, setting, ckpt, bucket, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world:
+            rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            if status != "ok":
+                raise RuntimeError(f"{path}/{setting} rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def _checkpoint(cache: Path, size: str, setting: str) -> Path:
+    from accelerate_memsafe.models import save_llama
+
+    import torch
+
+    path = cache / f"llama-{size}-{setting}"
+    if not (path / "config.json").exists():
+        save_llama(path, size, dtype=getattr(torch, SETTINGS[setting][0]))
+    return path
+
+
+def _markdown(doc: dict) -> str:
+    lines = [
+        f"\nprepare, Llama `{doc['model_size']}`, {doc['world_size']} gloo ranks, bucket_bytes={doc['bucket_mib']:.0f} MiB "
+        f"({doc['timestamp']}):\n",
+        "| setting | P (MiB) | T (MiB) | path | rank | RSS peak (MiB) | RssAnon peak (MiB) | VmHWM (MiB) | received (MiB) | local shard (MiB) | wall (s) | anon bound (MiB) | within |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in doc["settings"]:
+        for path in doc["paths"]:
+            for r in s["runs"][path]:
+                bound = s["bound_rank0_mib"] if r["rank"] == 0 else s["bound_rank1_mib"]
+                within = "yes" if r["anon_peak_mib"] <= bound else "no"
+                lines.append(
+                    f"| {s['setting']} | {s['P_mib']:.0f} | {s['T_mib']:.0f} | {path} | {r['rank']} | {r['rss_peak_mib']:.0f} | "
+                    f"{r['anon_peak_mib']:.0f} | {r['hwm_mib']:.0f} | {r['received_mib']:.0f} | {r['local_mib']:.0f} | "
+                    f"{r['wall_s']:.2f} | {bound:.0f} | {within if path == 'memsafe' else '-'} |"
+                )
+    lines.append("")
+    lines.append("| setting | ratio memsafe/stock: rank 0 RssAnon | rank 1 RssAnon | rank 0 RSS | max wall | ratio memsafe/dcp: rank 1 RssAnon |")
+    lines.append("|---|---|---|---|---|---|")
+    for s in doc["settings"]:
+        q = s["ratios"]
+        lines.append(
+            f"| {s['setting']} | {q['anon_rank0']:.2f} | {q['anon_rank1']:.2f} | {q['rss_rank0']:.2f} | {q['wall']:.2f} | {q['anon_rank1_vs_dcp']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-size", default="1g", help="Llama size from accelerate_memsafe.models.SIZES")
+    parser.add_argument("--dtype", default="fp32,bf16", help="settings: fp32 (no mixed precision) and/or bf16 (+ mixed_precision=bf16)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--bucket-bytes", default="64MiB")
+    parser.add_argument("--cache-dir", default=None, help="where the checkpoints are built (kept for reuse)")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--device", default="cpu", help="only cpu (gloo) is measured")
+    parser.add_argument("--markdown", default=None)
+    args = parser.parse_args(argv)
+    if args.device != "cpu":
+        parser.error("only --device cpu is supported (CPU FSDP2 over gloo)")
+    from accelerate_memsafe.plugin import parse_size
+
+    bucket = parse_size(args.bucket_bytes)
+    cache = Path(args.cache_dir or os.path.join(tempfile.gettempdir(), "memsafe-bench-prepare"))
+    cache.mkdir(parents=True, exist_ok=True)
+    paths = [p for p in args.paths.split(",") if p]
+    doc: dict = {
+        "benchmark": "prepare", "model_size": args.model_size, "world_size": args.world_size, "paths": paths,
+        "bucket_mib": bucket / MIB, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python benchmarks/prepare.py " + " ".join(argv if argv is not None else sys.argv[1:]), "settings": [],
+    }
+    for setting in [s for s in args.dtype.split(",") if s]:
+        ckpt = _checkpoint(cache, args.model_size, setting)
+        runs = {p: _launch(args.world_size, p, setting, str(ckpt), bucket, args.timeout) for p in paths}
+        shapes = next(iter(runs.values()))[0]["shapes"]
+        sizes = []
+        for shape, itemsize in shapes.values():
+            n = itemsize
+            for d in shape:
+                n *= d
+            sizes.append(n)
+        P, T = sum(sizes) / MIB, max(sizes) / MIB  # training dtype (after accelerate's upcast)
+        w = args.world_size
+        entry = {
+            "setting": setting, "P_mib": P, "T_mib": T,
+            "bound_rank1_mib": P / w + T + 64, "bound_rank0_mib": P / w + 2 * bucket / MIB + T + 64,
+            "runs": {p: [{k: v for k, v in r.items() if k != "shapes"} for r in rs] for p, rs in runs.items()},
+            "checksums_equal": len({round(sum(r["checksum"] for r in rs), 3) for rs in runs.values()}) == 1,
+        }
+        if "memsafe" in runs and "stock" in runs:
+            m, s = runs["memsafe"], runs["stock"]
+            d = runs.get("dcp", s)
+            entry["ratios"] = {
+                "anon_rank0": m[0]["anon_peak_mib"] / max(s[0]["anon_peak_mib"], 1e-9),
+                "anon_rank1": max(r["anon_peak_mib"] for r in m[1:]) / max(max(r["anon_peak_mib"] for r in s[1:]), 1e-9),
+                "rss_rank0": m[0]["rss_peak_mib"] / max(s[0]["rss_peak_mib"], 1e-9),
+                "wall": max(r["wall_s"] for r in m) / max(r["wall_s"] for r in s),
+                "anon_rank1_vs_dcp": max(r["anon_peak_mib"] for r in m[1:]) / max(max(r["anon_peak_mib"] for r in d[1:]), 1e-9),
+            }
+            entry["memsafe_within_bounds"] = all(
+                r["anon_peak_mib"] <= (entry["bound_rank0_mib"] if r["rank"] == 0 else entry["bound_rank1_mib"]) for r in m
+            )
+        doc["settings"].append(entry)
+    print(json.dumps(doc))
+    if args.markdown:
+        with open(args.markdown, "a", encoding="utf-8") as f:
+            f.write(_markdown(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""meta_placement + shard + rank0_distribute + buffer_init on 2 gloo ranks: results equal an unsharded
+reference load bit for bit, with every way of loading, with mixed precision, CPU offload and ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import workers_prepare as w
+from tests.spawn import run_on_ranks
+
+
+def _reference(model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def _ref_loss(ref) -> float:
+    ids = w.batch(ref.config.vocab_size)
+    with torch.no_grad():
+        return ref(input_ids=ids, labels=ids).loss.float().item()
+
+
+def _assert_shards_equal(results, ref_sd, *, cast=None):
+    world = len(results)
+    for name, p0 in results[0]["params"].items():
+        full = ref_sd[name] if cast is None else ref_sd[name].to(cast)
+        rows = -(-full.shape[0] // world)
+        for rank, res in enumerate(results):
+            local = res["params"][name]["local"]
+            expect = full[rank * rows : (rank + 1) * rows]
+            assert local.dtype == expect.dtype, f"{name} on rank {rank}: {local.dtype} != {expect.dtype}"
+            assert torch.equal(local, expect), f"rank {rank}'s shard of {name} differs from the reference"
+
+
+def _assert_buffers(results, ref):
+    ref_buffers = dict(ref.named_buffers())
+    names = [n for n, b in results[0]["buffers"].items() if not b["persistent"]]
+    assert names, "the model has non-persistent buffers"
+    for name in names:
+        for rank, res in enumerate(results):
+            value = res["buffers"][name]["value"]
+            assert torch.isfinite(value).all(), f"{name} on rank {rank}"
+            assert torch.equal(value, results[0]["buffers"][name]["value"]), f"{name}: rank {rank} != rank 0"
+            assert torch.equal(value, ref_buffers[name]), f"{name} on rank {rank} != reference"
+
+
+def _stage_status(res, rank):
+    return {r["stage"]: r["status"] for r in res["report"]["records"] if r["rank"] == rank and r["hook"] == "prepare"}
+
+
+@pytest.mark.parametrize("loader", ["memsafe", "hf", "meta_rank1"])
+def test_prepare_matches_unsharded_reference(tiny_llama_dir, loader):
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(tiny_llama_dir), loader=loader)
+    ref = _reference(tiny_llama_dir)
+    _assert_shards_equal(results, ref.state_dict())
+    _assert_buffers(results, ref)
+    ref_loss = _ref_loss(ref)
+    for rank, res in enumerate(results):
+        assert abs(res["loss"] - ref_loss) <= 1e-6, f"rank {rank}: loss {res['loss']} vs reference {ref_loss}"
+        assert res["opt_ok"], "optimizer must hold the sharded parameters"
+        status = _stage_status(res, rank)
+        for stage in ("meta_placement", "shard", "rank0_distribute", "buffer_init"):
+            assert status[stage] == "ran", (stage, status)
+    rank0 = [r for r in results[0]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 0][0]
+    if loader == "memsafe":
+        # unmodified zero-copy weights are re-read from the file with pread, not through the mmap
+        assert rank0["details"]["from_checkpoint"] == len(results[0]["params"])
+    else:
+        assert rank0["details"]["from_checkpoint"] == 0
+    if loader == "hf":
+        # rank 0 read its weights through transformers' mmap: those pages were handed back as it went
+        assert rank0["details"]["madvised_bytes"] > 0
+    rank1 = [r for r in results[1]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 1][0]
+    shard_bytes = sum(p["local"].numel() * p["local"].element_size() for p in results[1]["params"].values())
+    padding = 16 * len(results[1]["params"])  # each piece starts 16-byte aligned in the bucket buffer
+    assert shard_bytes <= rank1["details"]["bytes_received"] <= shard_bytes + padding, "rank 1 receives only its shard"
+
+
+def test_bf16_checkpoint_with_mixed_precision_and_small_buckets(tmp_path):
+    # also with cpu_ram_efficient_loading off: the stages run regardless of the flag (docs/prepare.md)
+    from accelerate_memsafe.models import save_llama
+
+    path = save_llama(tmp_path / "bf16", "tiny", dtype=torch.bfloat16)
+    results = run_on_ranks(
+        w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(path), dtype="bfloat16",
+        mixed_precision="bf16", plugin_kwargs={"bucket_bytes": 8 * 1024, "prefetch_buckets": 1}, efficient=False,
+    )
+    ref = _reference(path, torch.bfloat16)
+    # accelerate upcasts trainable params to fp32 master weights; we cast per tensor on the way
+    _assert_shards_equal(results, ref.state_dict(), cast=torch.float32)
+    for res in results:
+        assert all(p["dtype"] == "torch.float32" for p in res["params"].values())
+    rec = [r for r in results[0]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 0][0]
+    assert rec["details"]["buckets"] > 5, "small buckets: many round trips, large tensors cut into units"
+
+
+def test_tied_embeddings_stay_tied_with_cpu_offload(tmp_path):
+    from accelerate_memsafe.models import save_llama
+
+    path = save_llama(tmp_path / "tied", "tiny", tie_word_embeddings=True)
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(path), cpu_offload=True)
+    ref = _reference(path)
+    assert ref.lm_head.weight is ref.model.embed_tokens.weight
+    _assert_shards_equal(results, ref.state_dict())
+    ref_loss = _ref_loss(ref)
+    for res in results:
+        assert res["tied"], "lm_head.weight must still be embed_tokens.weight after prepare"
+        assert abs(res["loss"] - ref_loss) <= 1e-6
+
+
+def test_custom_model_persistent_and_recipe_less_buffers():
+    results = run_on_ranks(w.prepare_custom, 2, init_process_group=False, timeout=170)
+    ref = w.CustomModel(seed=0)
+    ref_sd = ref.state_dict()
+    _assert_shards_equal([{"params": r["params"]} for r in results], ref_sd)
+    for rank, res in enumerate(results):
+        b = res["buffers"]
+        assert b["scale.scale"]["persistent"] and torch.equal(b["scale.scale"]["value"], ref.scale.scale)
+        # no recipe: rank 1 built its own (different) table; rank 0's value was broadcast
+        assert torch.equal(b["table.table"]["value"], ref.table.table), f"rank {rank}"
+        assert torch.equal(b["freq.freq"]["value"], ref.freq.freq), f"rank {rank}"
+        with torch.no_grad():
+            assert abs(res["loss"] - ref(w.batch(w.VOCAB)).item()) <= 1e-6
+    details = [r for r in results[1]["report"]["records"] if r["stage"] == "buffer_init" and r["rank"] == 1][0]["details"]
+    assert details == {"recomputed": 1, "broadcast": 1, "verified": 2}
+
+
+def test_rank1_dying_mid_distribution_fails_rank0_within_timeout(tiny_llama_dir):
+    results = run_on_ranks(
+        w.prepare_killed, 2, init_process_group=False, timeout=120, expect_failure=True,
+        model_dir=str(tiny_llama_dir), timeout_s=5.0,
+    )
+    status0, out0 = results[0]
+    assert results[1][0] == "died"
+    assert status0 == "ok" and out0["error"] == "CollectiveTimeoutError", out0
+    assert "rank0_distribute" in out0["message"] and "rank(s) [1] never reached it" in out0["message"], out0["message"]
+    assert out0["elapsed"] < 5.0 + 10.0
+
+
+def test_rank1_stalling_mid_distribution_times_out_rank0(tiny_llama_dir):
+    results = run_on_ranks(
+        w.prepare_killed, 2, init_process_group=False, timeout=120, expect_failure=True,
+        model_dir=str(tiny_llama_dir), timeout_s=3.0, hang=True,
+    )
+    status0, out0 = results[0]
+    assert status0 == "ok" and out0["error"] == "CollectiveTimeoutError", out0
+    assert "did not complete within collective_timeout_s=3s" in out0["message"], out0["message"]
+    assert "rank(s) [1] never reached it" in out0["message"]
+    assert 3.0 <= out0["elapsed"] < 3.0 + 10.0
+
+
+def test_from_pretrained_before_process_group_raises(tiny_llama_dir):
+    messages = run_on_ranks(w.from_pretrained_before_accelerator, 2, init_process_group=False, timeout=60, model_dir=str(tiny_llama_dir))
+    for rank, msg in enumerate(messages):
+        assert f"rank {rank} of a 2-process launch" in msg and "build the `Accelerator(...)` first" in msg

@@ -1,0 +1,72 @@
+"""Exact resume on 2 gloo ranks with FSDP2 and a StatefulDataLoader: save at step k, resume in a fresh
+process group, and the losses (and batches) of steps k+1..k+m are bitwise those of the uninterrupted run,
+for FULL and SHARDED state dicts, with and without optimizer offload, shuffled and sequential. Also checks
+the optimizer reload's memory bound and its in-place read on FSDP2 (fresh optimizer and one with state)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import workers_resume
+from tests.spawn import run_on_ranks
+
+TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")  # switching SHARDED -> FULL keeps a valid config
+# shuffle -> offload of the saving run, and per state-dict type: (offload, optimizer has state) of the resume
+CASES = {
+    True: (False, {"FULL_STATE_DICT": (False, False), "SHARDED_STATE_DICT": (True, True)}),
+    False: (True, {"FULL_STATE_DICT": (True, True), "SHARDED_STATE_DICT": (False, False)}),
+}
+
+
+def _check(ref, res, *, sdt, offload, pre_step):
+    for rank in range(2):
+        for i, (a, b) in enumerate(zip(ref[rank]["batches"], res[rank]["batches"])):
+            assert torch.equal(a, b), f"{sdt} rank {rank}: the batch of step {3 + i + 1} differs after the resume"
+        assert torch.equal(ref[rank]["losses"], res[rank]["losses"]), (
+            f"{sdt} rank {rank}: losses {ref[rank]['losses'].tolist()} vs resumed {res[rank]['losses'].tolist()}"
+        )
+        assert not res[rank]["leftovers"], f"rank {rank}: loaded tensors still alive: {res[rank]['leftovers']}"
+        if offload:
+            assert res[rank]["state_on_cpu"]
+        record = next(r for r in res[rank]["records"] if r["stage"] == "optimizer_cpu_reload")
+        assert record["status"] == "ran", record
+        d = record["details"]
+        assert d["formats"] == (["dcp"] if sdt == "SHARDED_STATE_DICT" else ["torch_file"])
+        slack = d["largest_state_tensor_bytes"] + 0.05 * d["state_bytes"]
+        if pre_step:  # the existing state is alive throughout: only the slack may be allocated
+            assert res[rank]["in_place"], "FSDP2 state must be read into the existing tensors"
+            assert d["new_bytes"] == 0 and d["in_place_bytes"] == d["state_bytes"]
+            assert record["live"] <= slack, (record["live"], slack)
+        else:
+            assert record["live"] <= d["state_bytes"] + slack, (record["live"], d["state_bytes"] + slack)
+        loader = next(r for r in res[rank]["records"] if r["stage"] == "dataloader_resume" and r["hook"] == "load_state")
+        assert loader["status"] == "ran" and loader["details"]["dataloaders"] == 1
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "sequential"])
+def test_exact_resume_fsdp2(tmp_path, shuffle):
+    save_offload, resumes = CASES[shuffle]
+    outs = {sdt: str(tmp_path / sdt) for sdt in TYPES}
+    ref = run_on_ranks(workers_resume.reference_run, 2, init_process_group=False, timeout=300,
+                       outs=outs, offload=save_offload, shuffle=shuffle, k=3, m=3)
+    assert all(r["state_on_cpu"] for r in ref) or not save_offload
+    for sdt, (offload, pre_step) in resumes.items():
+        res = run_on_ranks(workers_resume.resumed_run, 2, init_process_group=False, timeout=300, m=3,
+                           out=outs[sdt], sdt=sdt, offload=offload, shuffle=shuffle, pre_step=pre_step)
+        _check(ref, res, sdt=sdt, offload=offload, pre_step=pre_step)
+
+
+def test_truncated_sharded_optimizer_file_is_refused_before_anything_changes(tmp_path):
+    """A DCP optimizer file cut short, in a checkpoint without our marker (as stock accelerate writes it)."""
+    out = tmp_path / "SHARDED_STATE_DICT"
+    run_on_ranks(workers_resume.reference_run, 2, init_process_group=False, timeout=300,
+                 outs={"SHARDED_STATE_DICT": str(out)}, offload=False, shuffle=False, k=1, m=1)
+    (out / ".memsafe_complete.json").unlink()
+    victim = out / "optimizer_0" / "__1_0.distcp"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    res = run_on_ranks(workers_resume.resumed_run, 2, init_process_group=False, timeout=300, m=1, pre_step=True,
+                       expect_refusal=True, out=str(out), sdt="SHARDED_STATE_DICT", offload=False, shuffle=False)
+    for rank in range(2):
+        assert res[rank]["refused"] and str(victim) in res[rank]["refused"] and "truncated" in res[rank]["refused"]
+        assert res[rank]["unchanged"], f"rank {rank}: model or optimizer changed before the refusal"

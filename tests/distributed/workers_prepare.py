@@ -1,0 +1,242 @@
+"""Workers for tests/distributed/test_prepare_stages*.py (module level so that spawn can pickle them)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+VOCAB = 67  # odd: FSDP2 pads rank 1's shard of the embedding and the head (uneven rows)
+
+
+class PersistentScale(nn.Module):
+    """A module with a persistent buffer (in the state dict, so it is broadcast)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim), persistent=True)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class NoRecipeTable(nn.Module):
+    """A module whose non-persistent buffer has no init recipe (no reset_parameters, not transformers)."""
+
+    def __init__(self, dim: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("table", torch.randn(dim, generator=g), persistent=False)
+
+    def forward(self, x):
+        return x + self.table
+
+
+class RecipeTable(nn.Module):
+    """A parameter-free module whose non-persistent buffer is rebuilt by ``reset_parameters``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+        self.register_buffer("freq", torch.empty(dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.freq.copy_(1.0 / (10000 ** (torch.arange(self.dim, dtype=torch.float32) / self.dim)))
+
+    def forward(self, x):
+        return x * self.freq
+
+
+class CustomModel(nn.Module):
+    """Embedding -> scale (persistent buffer) -> table (non-persistent, no recipe) -> freq -> head."""
+
+    def __init__(self, seed: int = 0, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.mid = nn.Linear(dim, dim)
+        self.scale = PersistentScale(dim)
+        self.table = NoRecipeTable(dim, seed)
+        self.freq = RecipeTable(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.freq(self.table(self.scale(self.mid(self.emb(ids)))))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.view(-1, VOCAB), ids.view(-1))
+
+
+def batch(vocab: int, seed: int = 1234) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (2, 12), generator=g)
+
+
+def _accelerator(plugin_kwargs: dict, *, mixed_precision: str = "no", cpu_offload: bool = False, efficient: bool = True):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    kwargs: dict[str, Any] = {"fsdp_version": 2, "cpu_ram_efficient_loading": efficient}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kwargs["cpu_offload"] = CPUOffloadPolicy(pin_memory=False)
+    fsdp_plugin = FullyShardedDataParallelPlugin(**kwargs)
+    plugin = MemSafePlugin(**plugin_kwargs)
+    acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision)
+    return acc, plugin
+
+
+def _describe(model: nn.Module) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    params = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        params[name] = {"local": local.detach().clone(), "dtype": str(p.dtype), "shape": tuple(p.shape)}
+    buffers = {}
+    for mod_name, mod in model.named_modules():
+        for local, b in mod._buffers.items():
+            if b is not None:
+                fqn = f"{mod_name}.{local}" if mod_name else local
+                buffers[fqn] = {"value": b.detach().clone(), "persistent": local not in mod._non_persistent_buffers_set}
+    return {"params": params, "buffers": buffers}
+
+
+def prepare_llama(
+    rank: int,
+    world_size: int,
+    *,
+    model_dir: str,
+    loader: str = "memsafe",
+    plugin_kwargs: dict | None = None,
+    mixed_precision: str = "no",
+    dtype: str = "float32",
+    cpu_offload: bool = False,
+    efficient: bool = True,
+    track: bool = False,
+) -> dict[str, Any]:
+    """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
+    what the live-tensor tracker saw during ``prepare``."""
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe.memory.tracker import LiveTensorTracker
+
+    acc, plugin = _accelerator(plugin_kwargs or {}, mixed_precision=mixed_precision, cpu_offload=cpu_offload, efficient=efficient)
+    torch_dtype = getattr(torch, dtype)
+    if loader == "memsafe":
+        model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch_dtype)
+    elif loader == "meta_rank1":  # stock transformers load on rank 0, meta elsewhere
+        if rank == 0:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        else:
+            from accelerate import init_empty_weights
+            from transformers import AutoConfig
+
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    allocs: list[tuple[str, tuple[int, ...], int]] = []
+
+    def on_alloc(func: str, t: torch.Tensor) -> None:
+        allocs.append((func, tuple(t.shape), t.untyped_storage().nbytes()))
+
+    tracker = LiveTensorTracker(on_alloc=on_alloc) if track else None
+    if tracker is not None:
+        with tracker:
+            model, opt = acc.prepare(model, opt)
+    else:
+        model, opt = acc.prepare(model, opt)
+    out = _describe(model)
+    tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight
+    opt_ok = all(any(q is p for p in model.parameters()) for g in opt.param_groups for q in g["params"])
+    ids = batch(model.config.vocab_size)
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.float().item()
+    # one training step works (gradients flow through the distributed shards)
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    out.update(
+        loss=loss,
+        tied=tied,
+        opt_ok=opt_ok,
+        full_shapes=full_shapes,
+        allocs=allocs,
+        tracker_peak=tracker.peak_bytes if tracker else None,
+        report=plugin.report.to_dict(timeline=False),
+    )
+    return out
+
+
+def prepare_custom(rank: int, world_size: int, *, plugin_kwargs: dict | None = None, meta_on_rank1: bool = True) -> dict[str, Any]:
+    """Prepare :class:`CustomModel` where rank 1's weights and no-recipe buffer differ from rank 0's."""
+    acc, plugin = _accelerator(plugin_kwargs or {})
+    if rank != 0 and meta_on_rank1:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = CustomModel(seed=100 + rank)
+    else:
+        model = CustomModel(seed=100 + rank if rank else 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    out = _describe(model)
+    with torch.no_grad():
+        out["loss"] = model(batch(VOCAB)).item()
+    out["report"] = plugin.report.to_dict(timeline=False)
+    return out
+
+
+def prepare_killed(rank: int, world_size: int, *, model_dir: str, timeout_s: float, die_after: int = 2, hang: bool = False) -> dict[str, Any]:
+    """Rank 1 exits (or, with ``hang``, stalls) in the middle of the scatter; rank 0 must fail with a
+    clear error within the timeout."""
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe.distributed import collectives
+
+    acc, _ = _accelerator({"collective_timeout_s": timeout_s, "bucket_bytes": 64 * 1024, "prefetch_buckets": 1})
+    model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
+    if rank == 1:
+        real = collectives.Collectives.scatter
+        calls = {"n": 0}
+
+        def dying_scatter(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] > die_after:
+                if not hang:
+                    os._exit(17)
+                time.sleep(3 * timeout_s)
+            return real(self, *args, **kwargs)
+
+        collectives.Collectives.scatter = dying_scatter
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        acc.prepare(model, opt)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
+def from_pretrained_before_accelerator(rank: int, world_size: int, *, model_dir: str) -> str:
+    """``from_pretrained`` before the process group exists must raise a clear error."""
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+
+    try:
+        accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir)
+    except accelerate_memsafe.ConfigError as exc:
+        return str(exc)
+    return "no error"

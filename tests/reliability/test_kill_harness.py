@@ -1,0 +1,13 @@
+"""The kill harness in CI: a few SIGKILLs across ``save_state`` and ``save_offloaded`` (the full run, 24
+points, is ``python -m tests.reliability.kill_harness --points 24``; see docs/guarantees.md)."""
+
+from __future__ import annotations
+
+from tests.reliability import kill_harness
+
+
+def test_sigkilled_saves_never_lose_or_expose_a_checkpoint(tmp_path):
+    result = kill_harness.run(6, seed=1, workdir=str(tmp_path))
+    assert result["points"] == 6
+    assert result["killed"] >= 4, result  # the kill points are drawn inside the save
+    assert result["lost"] == 0, result["lost_details"]

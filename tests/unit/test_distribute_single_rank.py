@@ -1,0 +1,67 @@
+"""distribute_from_rank0 as a plain function on a 1-rank gloo group: exact copy, odd shapes, bad weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from accelerate_memsafe import CheckpointError
+from accelerate_memsafe.distributed.collectives import Collectives
+from accelerate_memsafe.distributed.meta import move_to_meta, weights_metadata
+from accelerate_memsafe.distributed.scatter import Rank0Source, distribute_from_rank0
+
+
+@pytest.fixture
+def group():
+    from tests.spawn import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded_model(seed: int = 0):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    model.register_buffer("steps", torch.tensor([3, 1, 4]))
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    originals = move_to_meta(model, [], weights_metadata(model), keep=True)
+    fully_shard(model)
+    return model, ref, originals
+
+
+def test_copies_every_weight_and_persistent_buffer(group):
+    model, ref, originals = _sharded_model()
+    stats = distribute_from_rank0(
+        model, Rank0Source(originals), coll=Collectives("test", timeout_s=30), bucket_bytes=96,
+        prefetch_buckets=1, device=torch.device("cpu"),
+    )
+    assert stats.sharded_tensors == 4 and stats.replicated_tensors == 1 and stats.buckets > 4
+    for name, p in model.named_parameters():
+        assert torch.equal(p.to_local(), ref[name]), name
+    assert torch.equal(model.steps, ref["steps"])
+
+
+def test_non_finite_weight_is_named_when_checked(group):
+    model, _, originals = _sharded_model()
+    originals["1.weight"] = originals["1.weight"].clone()
+    originals["1.weight"][2, 0] = float("nan")
+    with pytest.raises(CheckpointError, match=r"weight `1.weight` \(rows 2..3\) on rank 0 contains NaN"):
+        distribute_from_rank0(
+            model, Rank0Source(originals), coll=Collectives("test", timeout_s=30), bucket_bytes=96,
+            prefetch_buckets=1, device=torch.device("cpu"), check_finite=True,
+        )
+
+
+def test_missing_source_tensor_is_named(group):
+    model, _, originals = _sharded_model()
+    del originals["0.bias"]
+    with pytest.raises(CheckpointError, match=r"missing \['0.bias'\]"):
+        distribute_from_rank0(
+            model, Rank0Source(originals), coll=Collectives("test", timeout_s=30), bucket_bytes=1 << 20,
+            prefetch_buckets=1, device=torch.device("cpu"),
+        )

@@ -1,0 +1,109 @@
+"""meta_placement's plain functions and stage decisions, single process."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from accelerate_memsafe import MemSafePlugin
+from accelerate_memsafe.distributed.meta import move_to_meta, parallelism_blocks_meta_placement, weights_metadata
+from accelerate_memsafe.pipeline import HookContext
+from accelerate_memsafe.stages.buffer_init import BufferInitStage
+from accelerate_memsafe.stages.meta_placement import MetaPlacementStage
+from accelerate_memsafe.stages.rank0_distribute import Rank0DistributeStage
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("persist", torch.arange(3.0))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+
+def test_move_to_meta_keeps_ties_optimizer_refs_and_originals():
+    model = Tied()
+    before = model.emb.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    meta = weights_metadata(model)
+    assert [m.name for m in meta] == ["emb.weight", "persist"]  # tied once; non-persistent excluded
+    originals = move_to_meta(model, [opt], meta, keep=True)
+    assert model.emb.weight.is_meta and model.head.weight is model.emb.weight
+    assert model.persist.is_meta and not model.scratch.is_meta, "non-persistent buffers are left alone"
+    assert opt.param_groups[0]["params"][0] is model.emb.weight
+    assert torch.equal(originals["emb.weight"], before) and torch.equal(originals["persist"], torch.arange(3.0))
+
+
+def test_move_to_meta_adopts_rank0_dtypes_and_keeps_nothing_off_rank0():
+    model = Tied()
+    ref = [type(m)(m.name, m.shape, torch.bfloat16, m.is_param, False) for m in weights_metadata(model)]
+    assert move_to_meta(model, [], ref, keep=False) == {}
+    assert model.emb.weight.dtype == torch.bfloat16 and model.emb.weight.requires_grad
+
+
+def test_hsdp_and_tp_are_declined_with_a_reason():
+    class Mesh:
+        ndim = 2
+
+    assert "2 dimensions" in parallelism_blocks_meta_placement(Mesh(), None)
+
+    class PC:
+        tp_size = 2
+
+    assert "tp_size=2" in parallelism_blocks_meta_placement(None, PC())
+    assert parallelism_blocks_meta_placement(None, None) is None
+
+
+def _ctx(**kw):
+    base = dict(hook="prepare", rank=0, world_size=2, device=torch.device("cpu"), options=MemSafePlugin(), model=nn.Linear(2, 2), is_fsdp2=True)
+    base.update(kw)
+    return HookContext(**base)
+
+
+def test_stages_skip_with_reasons_when_they_do_not_apply():
+    plugin = MemSafePlugin()
+    assert MetaPlacementStage(plugin).run(_ctx(is_fsdp2=False)).reason == "not an FSDP2 run"
+    assert MetaPlacementStage(plugin).run(_ctx(model=None)).status == "skipped"
+    assert "single process" in MetaPlacementStage(plugin).run(_ctx(world_size=1)).reason
+    assert "meta_placement" in Rank0DistributeStage(plugin).run(_ctx()).reason
+    assert BufferInitStage(plugin).run(_ctx(world_size=1)).status == "skipped"
+
+
+def test_default_pipeline_order_and_validation():
+    assert MemSafePlugin().stage_names("prepare")[:4] == ("meta_placement", "shard", "rank0_distribute", "buffer_init")
+    import pytest
+
+    from accelerate_memsafe import PipelineError
+
+    with pytest.raises(PipelineError, match="`rank0_distribute` requires `shard`"):
+        MemSafePlugin(stages=["meta_placement", "rank0_distribute"])
+    with pytest.raises(PipelineError, match="`meta_placement` must run before `shard`"):
+        MemSafePlugin(stages=["shard", "meta_placement"])
+
+
+def test_from_pretrained_single_process_loads_and_remembers_the_checkpoint(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+
+    model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, tiny_llama_dir, dtype=torch.float32)
+    assert not model.model.embed_tokens.weight.is_meta
+    assert model._memsafe_checkpoint == str(tiny_llama_dir)
+
+
+def test_build_on_meta_matches_the_loaded_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from accelerate_memsafe.loading import _build_on_meta
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    for cls in (AutoModelForCausalLM, LlamaForCausalLM):
+        meta = _build_on_meta(cls, tiny_llama_dir, {"dtype": torch.float32, "device_map": "cpu"})
+        assert [(m.name, m.shape, m.dtype) for m in weights_metadata(meta)] == [
+            (m.name, m.shape, m.dtype) for m in weights_metadata(ref)
+        ]
+        assert all(p.is_meta for p in meta.parameters())
+        assert torch.equal(meta.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq), "real buffers"
+        assert not meta.training

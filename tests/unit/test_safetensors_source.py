@@ -1,0 +1,80 @@
+"""Lazy safetensors reads: single file, sharded index, row ranges, validation errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from accelerate_memsafe import CheckpointError
+from accelerate_memsafe.io.safetensors_source import SafetensorsSource, file_backed_ranges, is_view_of_entry
+
+
+@pytest.fixture
+def tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": torch.randn(7, 3, generator=g),
+        "b": torch.randn(5, generator=g).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).view(2, 3),
+    }
+
+
+def test_reads_rows_and_whole_tensors(tmp_path, tensors):
+    save_file(tensors, tmp_path / "model.safetensors")
+    src = SafetensorsSource(tmp_path)
+    assert set(src.keys()) == set(tensors)
+    for name, t in tensors.items():
+        assert torch.equal(src.read(name), t)
+    assert torch.equal(src.read("a", 2, 5), tensors["a"][2:5])
+    out = torch.empty(3, 3)
+    assert src.read("a", 4, 7, out=out) is out and torch.equal(out, tensors["a"][4:])
+    src.close()
+
+
+def test_sharded_index(tmp_path, tensors):
+    save_file({"a": tensors["a"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": tensors["b"], "c": tensors["c"]}, tmp_path / "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    src = SafetensorsSource(tmp_path)
+    assert torch.equal(src.read("c", 1, 2), tensors["c"][1:2])
+    index["weight_map"]["d"] = "missing.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="missing.safetensors"):
+        SafetensorsSource(tmp_path)
+
+
+def test_validation_names_missing_and_mismatched_tensors(tmp_path, tensors):
+    save_file(tensors, tmp_path / "model.safetensors")
+    src = SafetensorsSource(tmp_path / "model.safetensors")
+    src.validate({"a": ((7, 3), torch.float32), "c": ((2, 3), None)})
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint: \['zz'\].*`a`: checkpoint \(7, 3\)"):
+        src.validate({"zz": ((1,), None), "a": ((3, 7), torch.float32)})
+    with pytest.raises(CheckpointError, match="not in the checkpoint"):
+        src.read("zz")
+
+
+def test_truncated_file_is_a_clear_error(tmp_path, tensors):
+    save_file(tensors, tmp_path / "model.safetensors")
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:-10])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        SafetensorsSource(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no safetensors checkpoint"):
+        SafetensorsSource(tmp_path / "empty")
+
+
+def test_detects_zero_copy_views_of_the_file(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    src = SafetensorsSource(tiny_llama_dir)
+    maps = file_backed_ranges(".safetensors")
+    w = model.model.embed_tokens.weight
+    assert is_view_of_entry(w.detach(), src.entries["model.embed_tokens.weight"], maps)
+    assert not is_view_of_entry(w.detach().clone(), src.entries["model.embed_tokens.weight"], maps)
+    assert not is_view_of_entry(w.detach(), src.entries["lm_head.weight"], maps), "another tensor's bytes"

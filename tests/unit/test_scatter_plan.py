@@ -1,0 +1,109 @@
+"""The bucket plan, the bounded prefetcher and rank 0's source, single process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from accelerate_memsafe.distributed.scatter import BoundedPrefetcher, Rank0Source, _Sharded, plan_buckets, shard_rows
+
+
+@pytest.mark.parametrize("n,world", [(5, 2), (1, 2), (7, 4), (8, 4), (3, 4), (0, 2)])
+def test_shard_rows_follow_torch_chunk(n, world):
+    chunks = torch.arange(n).chunk(world) if n else []
+    for r in range(world):
+        a, b = shard_rows(n, world, r)
+        expect = chunks[r].tolist() if r < len(chunks) else []
+        assert list(range(a, b)) == expect
+
+
+def _item(name, shape, world, dtype=torch.float32):
+    row = 1
+    for s in shape[1:]:
+        row *= s
+    return _Sharded(name, None, dtype, shape, row, [shard_rows(shape[0], world, r) for r in range(world)])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_plan_covers_every_row_once_and_respects_the_budget(world):
+    items = [_item("big", (301, 17), world), _item("bias", (13,), world), _item("half", (64, 8), world, torch.bfloat16), _item("one", (1, 5), world)]
+    budget = 4096
+    buckets = plan_buckets(items, world, budget)
+    seen = {(it.name, r): [] for it in items for r in range(world)}
+    for b in buckets:
+        assert world * b.slot_bytes <= budget, "a bucket's scatter buffers exceed the budget"
+        ends = {}
+        for p in b.pieces:
+            assert p.offset % 16 == 0
+            assert p.offset + (p.stop - p.start) * p.item.row_bytes <= b.slot_bytes
+            seen[(p.item.name, p.rank)].extend(range(p.start, p.stop))
+            ends.setdefault(p.rank, []).append((p.offset, p.offset + (p.stop - p.start) * p.item.row_bytes))
+        for spans in ends.values():  # pieces of one rank never overlap
+            spans.sort()
+            assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    for it in items:
+        for r in range(world):
+            a, b = it.ranges[r]
+            assert seen[(it.name, r)] == list(range(a, b)), (it.name, r)
+    assert [n for b in buckets for n in b.last_of] == [it.name for it in items]
+    assert len(buckets) > 5, "a tensor larger than the budget is cut into units"
+
+
+def test_prefetcher_keeps_at_most_max_alive_results():
+    alive = {"now": 0, "max": 0}
+    lock = threading.Lock()
+
+    def produce(i):
+        with lock:
+            alive["now"] += 1
+            alive["max"] = max(alive["max"], alive["now"])
+        return i
+
+    pf = BoundedPrefetcher(produce, list(range(20)), max_alive=3)
+    out = []
+    for x in pf:
+        time.sleep(0.002)  # a slow consumer: the producer runs ahead as far as it may
+        out.append(x)
+        with lock:
+            alive["now"] -= 1
+        pf.release()
+    pf.close()
+    assert out == list(range(20))
+    assert alive["max"] == 3
+
+
+def test_prefetcher_hands_errors_to_the_consumer():
+    def produce(i):
+        if i == 2:
+            raise ValueError("bad read")
+        return i
+
+    pf = BoundedPrefetcher(produce, [0, 1, 2, 3], max_alive=2)
+    with pytest.raises(ValueError, match="bad read"):
+        for _ in pf:
+            pf.release()
+    pf.close()
+
+
+def test_rank0_source_casts_per_row_range_and_releases():
+    src = Rank0Source({"w": torch.arange(12, dtype=torch.bfloat16).view(6, 2)})
+    out = torch.empty(2, 2, dtype=torch.float32)
+    src.read_rows("w", 2, 4, out)
+    assert out.tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    src.release("w")
+    assert "w" not in src.tensors and src.released_bytes == 0, "anonymous memory is never madvised"
+
+
+def test_release_hands_back_mmap_pages_without_changing_values(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    w = model.model.embed_tokens.weight.detach()
+    before = w.clone()
+    src = Rank0Source({"w": w})
+    src.release("w")
+    assert src.released_bytes >= 4096, "a zero-copy view of the checkpoint: its pages are dropped from RSS"
+    assert torch.equal(w, before), "clean file pages are re-read from the file when touched again"
