@@ -280,8 +280,8 @@ class Pipeline:
         done: list[list[Any]] = []
         upstream_entry: list[Any] | None = None
         try:
+            self._preflight(ctx)
             for stage in self.stages.get(ctx.hook, ()):
-                self._preflight(ctx, stage)
                 result, outcome, start = self._probe(ctx, stage.run, stage.name)
                 done.append([stage.name, result, outcome, start, stage])
             if ctx.skip_upstream is None:
@@ -300,16 +300,42 @@ class Pipeline:
                 self.report.add(record)
         return ctx.result
 
-    def _preflight(self, ctx: HookContext, stage: Stage) -> None:
+    def _preflight(self, ctx: HookContext) -> None:
+        """Checks every stage's estimate before any stage runs; the verdict is shared by all ranks, so
+        that one rank refusing never leaves the others waiting in a collective."""
         options = ctx.options
         if options is None or not getattr(options, "preflight_memory_check", False):
             return
-        est = stage.estimate(ctx)
-        if est is None:
+        stages = [s for s in self.stages.get(ctx.hook, ()) if type(s).estimate is not Stage.estimate]
+        if not stages:
             return
+        error = None
         cpu_free, dev_free = available_memory(ctx.device)
-        check_budget(stage.name, ctx.hook, ctx.rank, est, cpu_free, dev_free)
-        ctx.scratch.setdefault("estimates", {})[stage.name] = est
+        for stage in stages:
+            est = stage.estimate(ctx)
+            if est is None:
+                continue
+            ctx.scratch.setdefault("estimates", {})[stage.name] = est
+            try:
+                check_budget(stage.name, ctx.hook, ctx.rank, est, cpu_free, dev_free)
+            except Exception as exc:  # MemoryBudgetError
+                error = str(exc)
+                break
+        errors = [error]
+        import torch.distributed as dist
+
+        if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+            errors = [None] * ctx.world_size
+            dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            from .errors import MemoryBudgetError
+
+            ranks = [r for r, _ in failed]
+            raise MemoryBudgetError(
+                f"preflight memory check failed on rank(s) {ranks} before hook `{ctx.hook}` started: "
+                + " | ".join(e for _, e in failed)
+            )
 
     def _make_record(
         self, ctx: HookContext, name: str, result: ProbeResult, outcome: StageOutcome, start: float

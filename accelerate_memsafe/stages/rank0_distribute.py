@@ -6,7 +6,7 @@ import torch
 
 from ..distributed.collectives import Collectives
 from ..distributed.scatter import distribute_from_rank0
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran, skipped
 from .meta_placement import PLACED_KEY, SOURCE_KEY
 
 
@@ -22,6 +22,25 @@ class Rank0DistributeStage(Stage):
     requires = ("shard",)
     run_before = ("buffer_init",)
     summary = "rank 0 scatters each rank's shard in bounded buckets"
+
+    def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
+        # called before any prepare stage ran: parameters still have their full shapes
+        if not ctx.is_fsdp2 or ctx.model is None or ctx.world_size <= 1:
+            return None
+        from ..memory.estimate import distribute_peak_bytes
+
+        total = sum(p.numel() * p.element_size() for p in ctx.model.parameters())
+        peak = distribute_peak_bytes(
+            total, world_size=ctx.world_size, rank=ctx.rank,
+            bucket_bytes=self.options.bucket_bytes, prefetch_buckets=self.options.prefetch_buckets,
+        )
+        on_device = ctx.device.type != "cpu"
+        shard = total // max(1, ctx.world_size)
+        return MemoryEstimate(
+            cpu_bytes=peak - shard if on_device else peak,
+            device_bytes=shard if on_device else 0,
+            what=f"its shard of {total / 2**30:.2f} GiB of weights plus the scatter buckets",
+        )
 
     def run(self, ctx: HookContext) -> StageOutcome:
         if not ctx.scratch.get(PLACED_KEY):

@@ -47,3 +47,13 @@ def test_attach_gives_the_same_sharded_result(tiny_llama_dir):
             assert a["placements"] == s["placements"], name
             assert torch.equal(a["local"], s["local"]), name
         assert any(r["stage"] == "shard" for r in att[rank]["report"]["records"])
+
+
+def test_preflight_refuses_on_every_rank_before_anything_is_modified(tiny_llama_dir):
+    results = run_on_ranks(workers.prepare_with_tiny_budget, 2, init_process_group=False, timeout=120,
+                           model_dir=str(tiny_llama_dir))
+    for res in results:
+        assert res["message"] is not None, "prepare must be refused"
+        assert "rank(s) [0]" in res["message"] and "stage `rank0_distribute`" in res["message"]
+        assert "CPU: needs" in res["message"] and "preflight_memory_check=False" in res["message"]
+        assert res["unchanged"], "no parameter may be moved or modified"

@@ -46,3 +46,30 @@ def prepare_tiny_llama(rank: int, world_size: int, *, model_dir: str, attach: bo
         "report": report.to_dict(timeline=False),
         "markdown": report.to_markdown(),
     }
+
+
+def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str) -> dict[str, Any]:
+    """Rank 0 pretends to have 1 KiB free (the tiny model needs a few hundred KiB): every rank must refuse prepare before touching the model."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import AutoModelForCausalLM
+
+    from accelerate_memsafe import Accelerator, MemoryBudgetError, MemSafePlugin
+    from accelerate_memsafe import pipeline
+
+    real = pipeline.available_memory
+    if rank == 0:
+        pipeline.available_memory = lambda device: (1024, None)
+    accelerator = Accelerator(plugins=[MemSafePlugin()], fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    try:
+        accelerator.prepare(model, opt)
+        message = None
+    except MemoryBudgetError as exc:
+        message = str(exc)
+    finally:
+        pipeline.available_memory = real
+    unchanged = all(p.device.type != "meta" and torch.equal(before[n], p) for n, p in model.named_parameters())
+    return {"message": message, "unchanged": unchanged}

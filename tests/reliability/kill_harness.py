@@ -11,7 +11,8 @@ Each point runs one child process that saves version ``v`` of the weights into a
 holds an older complete version. The child counts Python call events (``sys.setprofile``, every thread)
 from the moment the save starts and sends itself ``SIGKILL`` at event ``k``, ``k`` drawn uniformly from the
 number of events a full save takes (measured first, per saver; every third point is drawn from the commit
-phase only: fsync, completeness marker, swap into place): the kill points are spread over the whole save,
+phase only, alternately from its start (fsync, completeness marker) and from the swap into place on): the
+kill points are spread over the whole save,
 from the first file written to the final rename, and a point is reproducible from the seed. After
 each kill the parent checks:
 
@@ -100,6 +101,7 @@ def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
         torch.save(ref, ref_path)  # written before the kill window, so always complete
     count = [0]
     finalize_at = [0]
+    swap_at = [0]
     lock = threading.Lock()
 
     def hook(frame, event, arg):  # noqa: ARG001
@@ -108,9 +110,11 @@ def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
                 count[0] += 1
                 if count[0] == kill_at:
                     os.kill(os.getpid(), signal.SIGKILL)
-                if not finalize_at[0] and event == "call" and frame.f_code.co_name == "finalize" \
-                        and frame.f_code.co_filename.endswith("atomic.py"):
-                    finalize_at[0] = count[0]
+                if event == "call" and frame.f_code.co_filename.endswith("atomic.py"):
+                    if not finalize_at[0] and frame.f_code.co_name == "finalize":
+                        finalize_at[0] = count[0]
+                    if not swap_at[0] and frame.f_code.co_name == "_exchange":
+                        swap_at[0] = count[0]
 
     threading.setprofile(hook)
     sys.setprofile(hook)
@@ -119,7 +123,7 @@ def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    print(json.dumps({"events": count[0], "finalize_at": finalize_at[0], "saved": version}), flush=True)
+    print(json.dumps({"events": count[0], "finalize_at": finalize_at[0], "swap_at": swap_at[0], "saved": version}), flush=True)
 
 
 def _run_child(mode: str, work: Path, version: int, kill_at: int, timeout: float = 300) -> tuple[int, dict | None, str]:
@@ -245,20 +249,28 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
     try:
         last: dict[str, int] = {}
         for mode in MODES:
-            rc, out, err = _run_child(mode, work, 0, 0)
-            if rc != 0 or out is None:
-                raise RuntimeError(f"the {mode} calibration save failed (rc={rc}):\n{err}")
+            # the first save creates version 0; the second measures a save that replaces a checkpoint
+            for _ in range(2):
+                rc, out, err = _run_child(mode, work, 0, 0)
+                if rc != 0 or out is None:
+                    raise RuntimeError(f"the {mode} calibration save failed (rc={rc}):\n{err}")
             result["events_per_save"][mode] = out["events"]
-            result.setdefault("finalize_from_event", {})[mode] = out["finalize_at"]
+            result.setdefault("commit_from_event", {})[mode] = out["finalize_at"]
+            result.setdefault("swap_from_event", {})[mode] = out["swap_at"]
             last[mode] = 0
         version = 0
+        commits = {m: 0 for m in MODES}
         for i in range(points):
             mode = MODES[i % len(MODES)]
             version += 1
             total = result["events_per_save"][mode]
-            # every third point lands in the commit (fsync, marker, swap), the rest anywhere in the save
-            start = result["finalize_from_event"][mode] if i % 3 == 2 and result["finalize_from_event"][mode] else 1
-            kill_at = rng.randint(start, total)
+            # Every third point lands in the commit phase (fsync, marker, swap), alternately anywhere in it
+            # and from the swap on; the others anywhere in the save.
+            start = 1
+            if i % 3 == 2:
+                commits[mode] += 1
+                start = result["commit_from_event"][mode] if commits[mode] % 2 else result["swap_from_event"][mode]
+            kill_at = rng.randint(max(start, 1), total)
             rc, out, err = _run_child(mode, work, version, kill_at)
             result["points"] += 1
             killed = rc == -signal.SIGKILL

@@ -19,6 +19,7 @@ CASES = [
     ("rank0_distribute", "stall"),
     ("rank0_distribute", "exit"),
     ("buffer_init", "stall"),
+    ("buffer_init", "exit"),
     ("atomic_checkpoint", "stall"),
     ("atomic_checkpoint", "exit"),
 ]
