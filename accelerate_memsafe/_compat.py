@@ -25,22 +25,33 @@ from packaging.version import Version
 TESTED_ACCELERATE = (Version("1.10.0"), Version("1.16.0"))
 
 
+def _in_range(version: Version, tested: tuple[Version, Version]) -> bool:
+    return tested[0] <= version < tested[1]
+
+
+def _warn_untested(what: str, found: dict[str, Version], tested: dict[str, tuple[Version, Version]], consequence: str,
+                   stacklevel: int = 3) -> bool:
+    """The one version check of this module: ``True`` when every found version is in its tested range,
+    otherwise a warning naming the ranges, the found versions and what it means for the user."""
+    if all(_in_range(found[k], tested[k]) for k in found):
+        return True
+    ranges = " and ".join(f"{k} >={tested[k][0]},<{tested[k][1]}" for k in found)
+    versions = ", ".join(f"{k} {v}" for k, v in found.items())
+    warnings.warn(f"accelerate_memsafe's {what} was tested with {ranges}; found {versions}. {consequence}", stacklevel=stacklevel)
+    return False
+
+
 def check_accelerate_version(version: str | None = None) -> bool:
-    """Warns (once per call site) when accelerate's version is outside the tested range.
+    """Warns when accelerate's version is outside the tested range.
 
     Returns:
         Whether the version is a tested one.
     """
-    v = Version(version or accelerate.__version__)
-    ok = TESTED_ACCELERATE[0] <= v < TESTED_ACCELERATE[1]
-    if not ok:
-        warnings.warn(
-            f"accelerate_memsafe was tested with accelerate >={TESTED_ACCELERATE[0]},<{TESTED_ACCELERATE[1]}; "
-            f"found {v}. The CPU-FSDP2 promotion and the `shard` stage use accelerate internals that may have "
-            "changed. Please report problems with the versions involved.",
-            stacklevel=2,
-        )
-    return ok
+    return _warn_untested(
+        "CPU-FSDP2 promotion and `shard` stage", {"accelerate": Version(version or accelerate.__version__)},
+        {"accelerate": TESTED_ACCELERATE},
+        "They use accelerate internals that may have changed. Please report problems with the versions involved.",
+    )
 
 
 def promote_state_to_fsdp(fsdp_plugin: Any) -> None:
@@ -147,16 +158,12 @@ def check_transformers_version(version: str | None = None) -> bool:
     """
     import transformers
 
-    v = Version(version or transformers.__version__)
-    ok = TESTED_TRANSFORMERS_CONVERSIONS[0] <= v < TESTED_TRANSFORMERS_CONVERSIONS[1]
-    if not ok:
-        warnings.warn(
-            f"accelerate_memsafe's offloaded save was tested with transformers >={TESTED_TRANSFORMERS_CONVERSIONS[0]},"
-            f"<{TESTED_TRANSFORMERS_CONVERSIONS[1]}; found {v}. It uses transformers' weight-conversion internals "
-            "(`core_model_loading`), which may have changed. Please report problems with the versions involved.",
-            stacklevel=2,
-        )
-    return ok
+    return _warn_untested(
+        "offloaded save", {"transformers": Version(version or transformers.__version__)},
+        {"transformers": TESTED_TRANSFORMERS_CONVERSIONS},
+        "It uses transformers' weight-conversion internals (`core_model_loading`), which may have changed. "
+        "Please report problems with the versions involved.",
+    )
 
 
 def reverse_conversion_key(model: torch.nn.Module):
@@ -292,18 +299,14 @@ def check_trainer_peft_versions(peft_version: str | None = None, transformers_ve
     import peft
     import transformers
 
-    pv = Version(peft_version or peft.__version__)
-    tv = Version(transformers_version or transformers.__version__)
-    ok = TESTED_PEFT[0] <= pv < TESTED_PEFT[1] and TESTED_TRANSFORMERS[0] <= tv < TESTED_TRANSFORMERS[1]
-    if not ok:
-        warnings.warn(
-            f"accelerate_memsafe's Trainer integration was tested with peft >={TESTED_PEFT[0]},<{TESTED_PEFT[1]} and "
-            f"transformers >={TESTED_TRANSFORMERS[0]},<{TESTED_TRANSFORMERS[1]}; found peft {pv}, transformers {tv}. "
-            "Falling back to the Trainer's own adapter loading (it materialises the whole adapter on the device). "
-            "Call `accelerate_memsafe.reload_adapter(model, checkpoint)` yourself to keep the CPU-first path.",
-            stacklevel=3,
-        )
-    return ok
+    return _warn_untested(
+        "Trainer integration",
+        {"peft": Version(peft_version or peft.__version__), "transformers": Version(transformers_version or transformers.__version__)},
+        {"peft": TESTED_PEFT, "transformers": TESTED_TRANSFORMERS},
+        "Falling back to the Trainer's own adapter loading (it materialises the whole adapter on the device). "
+        "Call `accelerate_memsafe.reload_adapter(model, checkpoint)` yourself to keep the CPU-first path.",
+        stacklevel=4,
+    )
 
 
 def current_dispatch_modes() -> list[Any]:

@@ -63,7 +63,13 @@ def from_pretrained(model_cls: Any, path: str | os.PathLike, **kwargs: Any) -> t
         )
     rank = dist.get_rank() if initialized else 0
     if rank == 0:
-        model = model_cls.from_pretrained(path, **kwargs)
+        if os.path.isdir(path):
+            _check_checkpoint(model_cls, path, kwargs)
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = model_cls.from_pretrained(path, output_loading_info=True, **kwargs)
+        _check_loading_info(path, info)
+        if want_info:
+            return model, info
         if os.path.isdir(path):
             # read by `meta_placement` (rank 0 only); plain attribute, not a buffer or parameter
             object.__setattr__(model, "_memsafe_checkpoint", os.fspath(path))
@@ -107,3 +113,45 @@ def _build_on_meta(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> torch.n
         model.tie_weights()  # init_empty_weights re-creates parameters, which unties them
     model.eval()  # as from_pretrained returns it
     return model
+
+
+def _check_checkpoint(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> None:
+    """Checks a local safetensors checkpoint before transformers reads it: a complete directory, index
+    entries inside it, shards present and untruncated, shapes and lossless dtype casts against the model
+    built on ``meta`` (names only a weight conversion produces are left to :func:`_check_loading_info`)."""
+    from pathlib import Path
+
+    from .io import atomic, validate
+
+    path = Path(path)
+    atomic.check_loadable(path)
+    if not any((path / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")):
+        return  # another format (e.g. pickle .bin), or a variant: transformers checks it
+    infos = validate.check_safetensors_checkpoint(path)
+    meta = _build_on_meta(model_cls, path, kwargs)
+    state = meta.state_dict()
+    validate.check_shapes(infos, {n: tuple(t.shape) for n, t in state.items()}, where=str(path))
+    validate.check_casts(infos, {n: t.dtype for n, t in state.items()})
+
+
+def _check_loading_info(path: Any, info: dict[str, Any]) -> None:
+    """Refuses a load that transformers completed with missing, unexpected or mismatched tensors (it
+    would initialise the missing ones randomly and only log a warning)."""
+    from .errors import CheckpointError
+    from .io.validate import listing
+
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint: {listing(missing, 20)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(unexpected, 20)}")
+    if mismatched:
+        parts.append(f"{len(mismatched)} with another shape: {listing(mismatched, 20)}")
+    if parts:
+        raise CheckpointError(
+            f"checkpoint {path} does not match the model: " + "; ".join(parts)
+            + ". Load a checkpoint saved from the same model (same config), or build the model it was saved from."
+        )

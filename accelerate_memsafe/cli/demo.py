@@ -74,7 +74,7 @@ def _worker(workdir: Path, steps: int) -> None:
     from torch.utils.data import DataLoader, TensorDataset
     from transformers import AutoModelForCausalLM
 
-    from accelerate_memsafe import Accelerator, MemSafePlugin
+    from accelerate_memsafe import Accelerator, MemSafePlugin, from_pretrained
 
     plugin = MemSafePlugin.from_env()
     accelerator = Accelerator(
@@ -83,7 +83,8 @@ def _worker(workdir: Path, steps: int) -> None:
         dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(workdir / "model", dtype=torch.float32)
+    # rank 0 reads the weights; the other ranks build the model on meta and receive only their shard
+    model = from_pretrained(AutoModelForCausalLM, workdir / "model", dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, ((steps + 1) * 4, 32), generator=g)

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .. import _compat
+from ..memory.progress import byte_progress
 from ..errors import CheckpointError, StageError
 from ..io.safetensors_source import SafetensorsSource, file_backed_ranges
 from .collectives import Collectives
@@ -356,6 +357,7 @@ def distribute_from_rank0(
     prefetch_buckets: int,
     device: torch.device,
     check_finite: bool = False,
+    progress: bool = False,
 ) -> DistributeStats:
     """Fills the ``meta`` shards of an FSDP2 model with rank 0's weights: each rank receives only its rows.
 
@@ -367,6 +369,7 @@ def distribute_from_rank0(
         prefetch_buckets: Buckets rank 0 prepares ahead of the one being sent.
         device: Where the local shards live (the CPU under FSDP2 CPU offload).
         check_finite: Rank 0 checks every weight for NaN/Inf while reading it.
+        progress: Show a byte progress bar on rank 0 (only when hundreds of MB move).
 
     Returns:
         Counts and bytes for the report.
@@ -438,14 +441,18 @@ def distribute_from_rank0(
                 return slots
 
             prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
+            total = sum(b.slot_bytes for b in buckets) * world
+            bar = byte_progress(total, "rank0_distribute: scatter", enabled=progress, rank=rank)
             try:
                 for bucket, slots in zip(buckets, prefetcher):
                     coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
                     unpack(bucket, slots[0])
                     stats.bytes_sent += bucket.slot_bytes * (world - 1)
+                    bar.update(bucket.slot_bytes * world)
                     del slots
                     prefetcher.release()
             finally:
+                bar.close()
                 prefetcher.close()
         else:
             for bucket in buckets:

@@ -9,6 +9,24 @@ import torch
 from .. import _compat
 
 
+def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None) -> str | None:
+    """Why an FSDP2 prepare stage has nothing to do (``None``: it applies).
+
+    Example:
+        >>> fsdp2_prepare_skip_reason(is_fsdp2=False, model=None)
+        'not an FSDP2 run'
+    """
+    if not is_fsdp2:
+        return "not an FSDP2 run"
+    if model is None:
+        return "no model passed to prepare"
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return "model is already sharded"
+    return None
+
+
 def canonical_name(name: str) -> str:
     """Strips wrapper prefixes (activation checkpointing, ``torch.compile``) from a parameter name.
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .. import _compat
+from ..memory.progress import byte_progress
 from ..errors import CheckpointError
 
 #: accelerate's optimizer file / folder names (``accelerate.utils.constants.OPTIMIZER_NAME``).
@@ -183,9 +184,19 @@ def _check_shape(source: Path, fqn: str, key: str, saved_shape: tuple[int, ...],
 
 
 def _load_structure(path: Path) -> Any:
+    import pickle
+
     try:
         return torch.load(path, map_location="meta", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means the file is not a readable checkpoint
+    except pickle.UnpicklingError as exc:
+        # weights_only refused a global: the file asks to run code (or holds objects we never load)
+        detail = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "global" in ln), str(exc).splitlines()[0] if str(exc) else "")
+        raise CheckpointError(
+            f"optimizer file {path} was refused: it is not a plain tensor checkpoint and loading it would need "
+            f"to import or run code ({detail}). Nothing was loaded and nothing was executed; load checkpoints "
+            "only from sources you trust, or restore the file from an earlier checkpoint."
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any other failure means the file is not a readable checkpoint
         raise CheckpointError(
             f"optimizer file {path} is truncated or corrupt and cannot be read ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}). Nothing was loaded; restore the file or load an "
@@ -392,8 +403,13 @@ class _FileReader:
         )
 
 
-def execute_optimizer_load(plan: OptimizerLoadPlan) -> dict[str, int]:
+def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, rank: int = 0) -> dict[str, int]:
     """Reads the planned state into the optimizer (in place where possible) and installs it.
+
+    Args:
+        plan: From :func:`plan_optimizer_load`.
+        progress: Show a byte progress bar on rank 0 (only when hundreds of MB are read).
+        rank: This process's rank (bars are shown on rank 0 only).
 
     Returns:
         ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors"}``.
@@ -411,10 +427,15 @@ def execute_optimizer_load(plan: OptimizerLoadPlan) -> dict[str, int]:
         figures["in_place_bytes" if item.existing is not None else "new_bytes"] += nbytes
     if plan.kind == "torch_file":
         reader = _FileReader(plan.source)
+        total = sum(_local(t).numel() * _local(t).element_size() for t in targets)
+        bar = byte_progress(total, "optimizer_cpu_reload: read", enabled=progress, rank=rank)
         try:
             for item, t in zip(plan.items, targets):
-                figures["bytes_read"] += reader.read_into(item.saved, _local(t), item.rows)
+                n = reader.read_into(item.saved, _local(t), item.rows)
+                figures["bytes_read"] += n
+                bar.update(n)
         finally:
+            bar.close()
             reader.close()
         saved_state = plan.structure["state"]
         ids_by_param = {id(p): pid for g, sg in zip(optimizer.param_groups, plan.saved_groups)

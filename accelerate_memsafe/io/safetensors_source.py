@@ -125,15 +125,10 @@ class SafetensorsSource:
                 raise CheckpointError(f"no safetensors checkpoint in {path}: expected model.safetensors or an index.json.")
             return [str(p) for p in found]
         if path.name.endswith(".json"):
-            try:
-                index = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as exc:
-                raise CheckpointError(f"cannot read the index {path}: {exc}") from exc
-            files = sorted(set(index.get("weight_map", {}).values()))
-            missing = [f for f in files if not (path.parent / f).exists()]
-            if missing:
-                raise CheckpointError(f"the index {path} names shard file(s) that do not exist: {missing}.")
-            return [str(path.parent / f) for f in files]
+            from .validate import index_files
+
+            # refuses entries outside the directory (`../`, absolute paths) and lists missing shards
+            return [str(p) for p in sorted(set(index_files(path).values()))]
         if not path.exists():
             raise CheckpointError(f"safetensors checkpoint {path} does not exist.")
         return [str(path)]

@@ -309,16 +309,22 @@ def check_keys(expected: Iterable[str], found: Iterable[str], *, where: str, all
         return
     parts = []
     if missing:
-        parts.append(f"{len(missing)} missing from the checkpoint: {_listing(missing, limit)}")
+        parts.append(f"{len(missing)} missing from the checkpoint: {listing(missing, limit)}")
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected (the model has no such tensor): {_listing(unexpected, limit)}")
+        parts.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(unexpected, limit)}")
     raise CheckpointError(
         f"checkpoint {where} does not match the model: " + "; ".join(parts)
         + ". Load a checkpoint saved from the same model (same config), or build the model it was saved from."
     )
 
 
-def _listing(names: list[str], limit: int) -> str:
+def listing(names: list[str], limit: int = 20) -> str:
+    """Up to ``limit`` names and how many more (``"['a', 'b'] and 3 more"``), for error messages.
+
+    Example:
+        >>> listing(["a", "b", "c"], 2)
+        "['a', 'b'] and 1 more"
+    """
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"{names[:limit]}{more}"
 
@@ -515,5 +521,166 @@ def check_against_model(infos: Mapping[str, TensorInfo], shapes: Mapping[str, tu
     if wrong:
         raise CheckpointError(
             f"checkpoint {where} does not match the model: {len(wrong)} tensor(s) have another shape: "
-            f"{_listing(wrong, 20)}. Load a checkpoint saved from the same model (same config)."
+            f"{listing(wrong, 20)}. Load a checkpoint saved from the same model (same config)."
         )
+
+
+#: safetensors dtype name -> torch dtype (for the cast check).
+_TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / ``torch.compile`` wrappers (whose state-dict names carry a prefix)."""
+    for _ in range(4):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+    return model
+
+
+def check_model_file(path: str | os.PathLike, model: torch.nn.Module, *, infos: Mapping[str, TensorInfo] | None = None) -> None:
+    """Checks a ``model.safetensors`` written by ``save_state`` against the model it will be loaded into:
+    the file's integrity (:func:`check_safetensors_file`), missing / unexpected / wrongly shaped tensors
+    (a tied alias saved once counts as present), and dtype casts that would lose data (only tensors whose
+    saved dtype differs from the model's are read).
+
+    Args:
+        path: The file.
+        model: The model (DDP / compiled wrappers are looked through; FSDP2 DTensors are compared by their
+            global shape).
+        infos: The file's header, if already read.
+
+    Raises:
+        CheckpointError: Naming the file and every offending tensor.
+
+    Example:
+        >>> # check_model_file("ckpt/model.safetensors", model)
+    """
+    path = Path(path)
+    infos = check_safetensors_file(path) if infos is None else infos
+    model = _unwrap(model)
+    state = model.state_dict()
+    aliases: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if name in state:
+            aliases.setdefault(id(t), []).append(name)
+    grouped = {n for names in aliases.values() for n in names}
+    groups = list(aliases.values()) + [[n] for n in state if n not in grouped]
+    missing = sorted(g[0] for g in groups if not any(n in infos for n in g))
+    unexpected = sorted(n for n in infos if n not in state)
+    wrong = [
+        f"`{n}`: file {list(info.shape)}, model {list(state[n].shape)}"
+        for n, info in infos.items()
+        if n in state and tuple(info.shape) != tuple(state[n].shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing from the file: {listing(missing, 20)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(unexpected, 20)}")
+    if wrong:
+        problems.append(f"{len(wrong)} with another shape: {listing(wrong, 20)}")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint file {path} does not match the model: " + "; ".join(problems)
+            + ". Nothing was loaded. Load a checkpoint saved from the same model (same config)."
+        )
+    check_casts(infos, {n: state[n].dtype for n in infos})
+
+
+def check_accelerate_checkpoint(directory: str | os.PathLike, models: Iterable[torch.nn.Module], *, rank: int) -> None:
+    """Everything ``load_state`` reads that can be checked before anything is modified: each
+    ``model[_i].safetensors`` against its model (:func:`check_model_file`) and this rank's
+    ``random_states_<rank>.pkl`` (:func:`load_rng_states`; accelerate itself would log a refused file at
+    INFO level and go on without restoring the random states).
+
+    Args:
+        directory: The checkpoint directory.
+        models: The prepared models, in ``prepare`` order.
+        rank: This process's rank.
+
+    Raises:
+        CheckpointError: As the checks above.
+
+    Example:
+        >>> # check_accelerate_checkpoint("ckpt/", accelerator._models, rank=0)
+    """
+    directory = Path(directory)
+    for i, model in enumerate(models):
+        path = directory / (f"model_{i}.safetensors" if i else "model.safetensors")
+        if path.is_file():
+            check_model_file(path, model)
+    rng = directory / f"random_states_{rank}.pkl"
+    if rng.is_file():
+        load_rng_states(rng)
+
+
+def cast_may_lose(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether converting ``src`` to ``dst`` *can* lose values (so that the data must be looked at), from
+    the dtypes alone: float to int, a float of smaller range (fp32 -> fp16, not fp32 -> bf16, which keeps
+    fp32's range), a narrower int, or an int wider than a float's exact range.
+
+    Example:
+        >>> cast_may_lose(torch.float32, torch.bfloat16), cast_may_lose(torch.float64, torch.float32)
+        (False, True)
+    """
+    if src == dst or dst == torch.bool and src == torch.bool:
+        return False
+    if dst == torch.bool:
+        return True
+    if src.is_floating_point:
+        if not dst.is_floating_point:
+            return True
+        return float(torch.finfo(dst).max) < 0.99 * float(torch.finfo(src).max)
+    if src == torch.bool:
+        return False
+    if dst.is_floating_point:
+        return int(torch.iinfo(src).max) > _exact_int_bound(dst)
+    return torch.iinfo(dst).max < torch.iinfo(src).max or torch.iinfo(dst).min > torch.iinfo(src).min
+
+
+def check_shapes(infos: Mapping[str, TensorInfo], shapes: Mapping[str, tuple[int, ...]], *, where: str) -> None:
+    """Raises for every tensor present in both the checkpoint and the model with another shape (names in
+    only one of them are not looked at: weight conversions may rename them).
+
+    Example:
+        >>> check_shapes({}, {"w": (2,)}, where="ckpt")
+    """
+    wrong = [
+        f"`{n}`: checkpoint {list(infos[n].shape)}, model {list(s)}"
+        for n, s in shapes.items()
+        if n in infos and tuple(infos[n].shape) != tuple(s)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {where} does not match the model: {len(wrong)} tensor(s) have another shape: "
+            f"{listing(wrong, 20)}. Load a checkpoint saved from the same model (same config)."
+        )
+
+
+def check_casts(infos: Mapping[str, TensorInfo], dtypes: Mapping[str, torch.dtype]) -> None:
+    """Reads the tensors whose conversion to the model's dtype :func:`cast_may_lose` and refuses a lossy one
+    (:func:`check_cast`). Tensors whose cast cannot lose values are not read.
+
+    Example:
+        >>> check_casts({}, {"w": torch.float32})
+    """
+    todo = [
+        n for n, dt in dtypes.items()
+        if n in infos and _TORCH_DTYPES.get(infos[n].dtype) is not None and cast_may_lose(_TORCH_DTYPES[infos[n].dtype], dt)
+    ]
+    if not todo:
+        return
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for n in todo:
+        by_file.setdefault(infos[n].file, []).append(n)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for n in names:
+                check_cast(n, f.get_tensor(n), dtypes[n], where=file)

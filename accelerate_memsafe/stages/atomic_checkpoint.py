@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..distributed.collectives import Collectives
 from ..errors import CheckpointError
-from ..io import atomic
+from ..io import atomic, validate
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 
@@ -52,8 +53,10 @@ class AtomicCheckpointStage(Stage):
         if ctx.rank == 0:
             atomic.recover(final)
             atomic.begin(temp)
-        atomic.barrier(ctx.world_size)
-        ctx.scratch["atomic"] = {"final": final, "temp": temp, "auto": auto}
+        coll = self._collectives(ctx)
+        if coll is not None:
+            coll.barrier(what=f"barrier before writing {temp}")
+        ctx.scratch["atomic"] = {"final": final, "temp": temp, "auto": auto, "coll": coll}
         ctx.directory = str(temp)
         return ran(final=str(final), temp=str(temp))
 
@@ -61,8 +64,9 @@ class AtomicCheckpointStage(Stage):
         if ctx.hook == "load_state":
             return None
         info = ctx.scratch.pop("atomic")
-        final, temp = info["final"], info["temp"]
-        atomic.barrier(ctx.world_size)  # every rank has written its files
+        final, temp, coll = info["final"], info["temp"], info["coll"]
+        if coll is not None:
+            coll.barrier(what=f"barrier after every rank wrote its files into {temp}")
         details: dict = {}
         if ctx.rank == 0:
             marker = atomic.finalize(temp, final, world_size=ctx.world_size, carry_over=ctx.hook == "save_model")
@@ -71,11 +75,20 @@ class AtomicCheckpointStage(Stage):
                 config = ctx.scratch["project_configuration"]
                 deleted = atomic.roll_total_limit(final.parent, config.total_limit, keep=final)
                 details["deleted"] = [str(p) for p in deleted]
-        atomic.barrier(ctx.world_size)
+        if coll is not None:
+            coll.barrier(what=f"barrier after {final} was put in place")
         ctx.directory = str(final)
         if isinstance(ctx.result, (str, Path)) and Path(ctx.result) == temp:
             ctx.result = str(final)
         return ran(**details)
+
+    def _collectives(self, ctx: HookContext) -> Collectives | None:
+        """Timeout-guarded collectives of this stage (``None`` in a single process)."""
+        import torch.distributed as dist
+
+        if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+            return Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        return None
 
     def _check_load(self, ctx: HookContext) -> StageOutcome:
         config = ctx.scratch.get("project_configuration")
@@ -90,7 +103,10 @@ class AtomicCheckpointStage(Stage):
         path = Path(ctx.directory).expanduser()
         if ctx.rank == 0:
             atomic.recover(path)
-        atomic.barrier(ctx.world_size)
+        coll = self._collectives(ctx)
+        if coll is not None:
+            coll.barrier(what=f"barrier before loading {path}")
         marker = atomic.check_loadable(path, world_size=ctx.world_size)
+        validate.check_accelerate_checkpoint(path, ctx.models, rank=ctx.rank)
         ctx.directory = str(path)
         return ran(directory=str(path), marked_complete=marker is not None)

@@ -12,6 +12,7 @@ accelerate keeps each rank's own copy, which only works if they are all equal an
 
 from __future__ import annotations
 
+from ..distributed.sharding import fsdp2_prepare_skip_reason
 from ..distributed.collectives import Collectives
 from ..distributed.meta import (
     agree_on_structure,
@@ -39,14 +40,9 @@ class MetaPlacementStage(Stage):
     summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        if not ctx.is_fsdp2:
-            return skipped("not an FSDP2 run")
-        if ctx.model is None:
-            return skipped("no model passed to prepare")
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(ctx.model, FSDPModule):
-            return skipped("model is already sharded")
+        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model)
+        if reason:
+            return skipped(reason)
         if ctx.world_size < 2:
             return skipped("single process: nothing to distribute")
         why = parallelism_blocks_meta_placement(ctx.mesh, ctx.scratch.get("parallelism_config"))

@@ -56,7 +56,7 @@ class OptimizerCpuReloadStage(Stage):
         plans = ctx.scratch.pop("optimizer_plans")
         totals = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": 0}
         for plan in plans:
-            for k, v in execute_optimizer_load(plan).items():
+            for k, v in execute_optimizer_load(plan, progress=self.options.progress, rank=ctx.rank).items():
                 totals[k] += v
         del plans
         reclaimed = reclaim_device_memory(ctx.device)

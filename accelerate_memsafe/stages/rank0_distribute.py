@@ -59,5 +59,6 @@ class Rank0DistributeStage(Stage):
             prefetch_buckets=self.options.prefetch_buckets,
             device=device,
             check_finite=self.options.check_finite_weights,
+            progress=self.options.progress,
         )
         return ran(**vars(stats))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..distributed.sharding import shard_model
+from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 
@@ -17,14 +17,9 @@ class ShardStage(Stage):
     summary = "apply fully_shard with accelerate's policy; remap optimizers"
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        if not ctx.is_fsdp2:
-            return skipped("not an FSDP2 run")
-        if ctx.model is None:
-            return skipped("no model passed to prepare")
-        from torch.distributed.fsdp import FSDPModule
-
-        if isinstance(ctx.model, FSDPModule):
-            return skipped("model is already sharded")
+        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model)
+        if reason:
+            return skipped(reason)
         ctx.model = shard_model(
             ctx.model,
             ctx.optimizers,

@@ -46,9 +46,10 @@ def faulty_rank(rank: int, world_size: int, *, stage: str, kind: str, timeout_s:
 
             mod.init_non_persistent_buffers = _fault(kind, timeout_s)
         elif stage == "atomic_checkpoint":
-            from accelerate_memsafe.io import atomic
+            # rank 1 never reaches the stage's first synchronisation (rank 0 has begun the temp directory)
+            from accelerate_memsafe.stages.atomic_checkpoint import AtomicCheckpointStage
 
-            atomic.barrier = _fault(kind, timeout_s)
+            AtomicCheckpointStage.run = _fault(kind, timeout_s)
         else:
             raise ValueError(stage)
     model = build_llama("tiny", seed=0)
