@@ -52,11 +52,34 @@ def weights_metadata(model: nn.Module) -> list[TensorMeta]:
     return out
 
 
-def agree_on_structure(model: nn.Module, coll: Collectives) -> list[TensorMeta]:
+def nonfinite_weights(model: nn.Module, *, chunk_elems: int = 1 << 24) -> list[str]:
+    """Names of the real (non-meta) floating-point parameters and persistent buffers holding NaN or Inf.
+
+    Checked in chunks so the temporary mask stays below ``chunk_elems`` bytes.
+
+    Example:
+        >>> m = nn.Linear(2, 2); _ = m.weight.data.fill_(float("nan"))
+        >>> nonfinite_weights(m)
+        ['weight']
+    """
+    bad = []
+    persistent = set(model.state_dict(keep_vars=True))
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]
+    for name, t in tensors:
+        if t.device.type == "meta" or not t.is_floating_point():
+            continue
+        flat = t.detach().reshape(-1)
+        if any(not torch.isfinite(flat[i : i + chunk_elems]).all() for i in range(0, flat.numel(), chunk_elems)):
+            bad.append(name)
+    return bad
+
+
+def agree_on_structure(model: nn.Module, coll: Collectives, *, check_finite: bool = False) -> list[TensorMeta]:
     """Checks that every rank holds the same model as rank 0 before anything is modified.
 
     Rank 0 broadcasts its names, shapes and dtypes. A rank whose names or shapes differ, or a rank 0
-    whose own weights are on ``meta`` (nothing to distribute), makes *every* rank raise. Dtypes may
+    whose own weights are on ``meta`` (nothing to distribute) or, with ``check_finite``, hold NaN/Inf,
+    makes *every* rank raise. Dtypes may
     differ (a rank built on meta with another default dtype): the other ranks adopt rank 0's.
 
     Returns:
@@ -74,6 +97,12 @@ def agree_on_structure(model: nn.Module, coll: Collectives) -> list[TensorMeta]:
             problems.append(
                 f"rank 0 holds {len(on_meta)} weight(s) on `meta` ({on_meta[:5]}); rank 0 must hold the real "
                 "weights that it distributes. Load them on rank 0 (e.g. `accelerate_memsafe.from_pretrained`)."
+            )
+        nonfinite = nonfinite_weights(model) if check_finite else []
+        if nonfinite:
+            problems.append(
+                f"rank 0's weight(s) {nonfinite[:10]} contain NaN or Inf ({len(nonfinite)} tensor(s)); fix the "
+                "checkpoint or turn off `check_finite_weights`."
             )
     else:
         ref = {m.name: m for m in theirs}

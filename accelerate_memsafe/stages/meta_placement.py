@@ -49,7 +49,7 @@ class MetaPlacementStage(Stage):
         if why:
             return skipped(why)
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
-        reference = agree_on_structure(ctx.model, coll)
+        reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0
         originals = move_to_meta(ctx.model, ctx.optimizers, reference, keep=is_src)
         details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference)}

@@ -82,5 +82,6 @@ def nonfinite(rank: int, world_size: int, *, where: str, model_dir: str, timeout
     try:
         acc.prepare(model, opt)
     except Exception as exc:  # noqa: BLE001
-        return {"error": type(exc).__name__, "message": str(exc)}
+        on_meta = sum(p.device.type == "meta" for p in model.parameters())
+        return {"error": type(exc).__name__, "message": str(exc), "params_on_meta": on_meta}
     return {"error": None}
