@@ -137,21 +137,11 @@ def _check_checkpoint(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> None
 def _check_loading_info(path: Any, info: dict[str, Any]) -> None:
     """Refuses a load that transformers completed with missing, unexpected or mismatched tensors (it
     would initialise the missing ones randomly and only log a warning)."""
-    from .errors import CheckpointError
-    from .io.validate import listing
+    from .io.validate import raise_if_mismatched
 
-    missing = sorted(info.get("missing_keys") or [])
-    unexpected = sorted(info.get("unexpected_keys") or [])
-    mismatched = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing from the checkpoint: {listing(missing, 20)}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(unexpected, 20)}")
-    if mismatched:
-        parts.append(f"{len(mismatched)} with another shape: {listing(mismatched, 20)}")
-    if parts:
-        raise CheckpointError(
-            f"checkpoint {path} does not match the model: " + "; ".join(parts)
-            + ". Load a checkpoint saved from the same model (same config), or build the model it was saved from."
-        )
+    raise_if_mismatched(
+        str(path),
+        missing=sorted(info.get("missing_keys") or []),
+        unexpected=sorted(info.get("unexpected_keys") or []),
+        wrong=sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or []),
+    )

@@ -58,7 +58,7 @@ def save_llama(path: str | Path, size: str = "tiny", *, seed: int = 0, dtype: to
     """Builds a model with :func:`build_llama` and ``save_pretrained``s it (safetensors) to ``path``.
 
     Example:
-        >>> # save_llama("/tmp/tiny-llama")  # doctest: +SKIP
+        >>> # save_llama("/tmp/tiny-llama")
     """
     path = Path(path)
     model = build_llama(size, seed=seed, dtype=dtype, tie_word_embeddings=tie_word_embeddings)

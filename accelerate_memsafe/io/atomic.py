@@ -64,7 +64,7 @@ def begin(temp: Path) -> None:
     """Creates ``temp`` empty (removing what a killed save left there) with the incomplete sentinel.
 
     Example:
-        >>> # begin(temp_dir_for("/ckpt/step_10"))  # doctest: +SKIP
+        >>> # begin(temp_dir_for("/ckpt/step_10"))
     """
     if temp.exists():
         shutil.rmtree(temp)
@@ -139,7 +139,7 @@ def finalize(temp: Path, final: Path, *, world_size: int, extra: dict[str, Any] 
         The marker that was written.
 
     Example:
-        >>> # finalize(temp, Path("/ckpt/step_10"), world_size=2)  # doctest: +SKIP
+        >>> # finalize(temp, Path("/ckpt/step_10"), world_size=2)
     """
     final = Path(final)
     if carry_over and final.is_dir():
@@ -240,7 +240,7 @@ def check_loadable(path: str | os.PathLike, *, world_size: int | None = None) ->
         CheckpointError: Naming the directory or file and what is wrong, before anything is loaded.
 
     Example:
-        >>> # check_loadable("/ckpt/step_10", world_size=2)  # doctest: +SKIP
+        >>> # check_loadable("/ckpt/step_10", world_size=2)
     """
     path = Path(path)
     if not path.is_dir():

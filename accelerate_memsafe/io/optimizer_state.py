@@ -244,7 +244,7 @@ def plan_optimizer_load(
             (group/parameter counts, shapes), naming the file.
 
     Example:
-        >>> # plan = plan_optimizer_load(opt, optimizer_source(ckpt, 0), offload=True)  # doctest: +SKIP
+        >>> # plan = plan_optimizer_load(opt, optimizer_source(ckpt, 0), offload=True)
     """
     kind, path = source
     names = parameter_names(model) if model is not None else {}
@@ -415,7 +415,7 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
         ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors"}``.
 
     Example:
-        >>> # execute_optimizer_load(plan_optimizer_load(opt, source))  # doctest: +SKIP
+        >>> # execute_optimizer_load(plan_optimizer_load(opt, source))
     """
     optimizer = plan.optimizer
     figures = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": len(plan.items)}

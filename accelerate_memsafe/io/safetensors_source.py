@@ -156,16 +156,10 @@ class SafetensorsSource:
                 continue
             if tuple(entry.shape) != tuple(shape) or (dtype is not None and entry.dtype != dtype):
                 wrong.append(f"`{name}`: checkpoint {entry.shape} {entry.dtype}, model {tuple(shape)} {dtype}")
-        if missing or wrong:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} tensor(s) missing from the checkpoint: {missing[:10]}")
-            if wrong:
-                parts.append(f"{len(wrong)} tensor(s) do not match: {wrong[:10]}")
-            raise CheckpointError(
-                f"checkpoint {self.path} does not match the model: " + "; ".join(parts)
-                + ". Load the model from the same checkpoint (same config) or pass the matching path."
-            )
+        from .validate import raise_if_mismatched
+
+        raise_if_mismatched(self.path, missing=missing, wrong=wrong, limit=10,
+                            hint="Load the model from the same checkpoint (same config) or pass the matching path.")
 
     def _fd(self, file: str) -> int:
         fd = self._fds.get(file)

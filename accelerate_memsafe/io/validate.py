@@ -303,19 +303,7 @@ def check_keys(expected: Iterable[str], found: Iterable[str], *, where: str, all
         >>> check_keys(["a"], ["a"], where="ckpt")
     """
     missing, unexpected = key_differences(expected, found)
-    if allow_unexpected:
-        unexpected = []
-    if not missing and not unexpected:
-        return
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing from the checkpoint: {listing(missing, limit)}")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(unexpected, limit)}")
-    raise CheckpointError(
-        f"checkpoint {where} does not match the model: " + "; ".join(parts)
-        + ". Load a checkpoint saved from the same model (same config), or build the model it was saved from."
-    )
+    raise_if_mismatched(where, missing=missing, unexpected=[] if allow_unexpected else unexpected, limit=limit)
 
 
 def listing(names: list[str], limit: int = 20) -> str:
@@ -327,6 +315,31 @@ def listing(names: list[str], limit: int = 20) -> str:
     """
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"{names[:limit]}{more}"
+
+
+_SAME_MODEL_HINT = "Load a checkpoint saved from the same model (same config), or build the model it was saved from."
+
+
+def raise_if_mismatched(where: str, *, missing: list[str] = (), unexpected: list[str] = (), wrong: list[str] = (),
+                        limit: int = 20, hint: str = _SAME_MODEL_HINT) -> None:
+    """The one "checkpoint does not match the model" error: missing, unexpected and differently shaped
+    tensors, each listed by name (up to ``limit``).
+
+    Raises:
+        CheckpointError: If any list is non-empty.
+
+    Example:
+        >>> raise_if_mismatched("ckpt")  # nothing to report
+    """
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing from the checkpoint: {listing(list(missing), limit)}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(list(unexpected), limit)}")
+    if wrong:
+        parts.append(f"{len(wrong)} with another shape or dtype: {listing(list(wrong), limit)}")
+    if parts:
+        raise CheckpointError(f"checkpoint {where} does not match the model: " + "; ".join(parts) + ". " + hint)
 
 
 def _int_range(dtype: torch.dtype) -> tuple[int, int]:
@@ -577,18 +590,8 @@ def check_model_file(path: str | os.PathLike, model: torch.nn.Module, *, infos: 
         for n, info in infos.items()
         if n in state and tuple(info.shape) != tuple(state[n].shape)
     ]
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing from the file: {listing(missing, 20)}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected (the model has no such tensor): {listing(unexpected, 20)}")
-    if wrong:
-        problems.append(f"{len(wrong)} with another shape: {listing(wrong, 20)}")
-    if problems:
-        raise CheckpointError(
-            f"checkpoint file {path} does not match the model: " + "; ".join(problems)
-            + ". Nothing was loaded. Load a checkpoint saved from the same model (same config)."
-        )
+    raise_if_mismatched(f"file {path}", missing=missing, unexpected=unexpected, wrong=wrong,
+                        hint="Nothing was loaded. " + _SAME_MODEL_HINT)
     check_casts(infos, {n: state[n].dtype for n in infos})
 
 
