@@ -58,16 +58,16 @@ class Stage:
     run_before: ClassVar[tuple[str, ...]] = ()
     summary: ClassVar[str] = ""
 
-    def __init__(self, options: "MemSafePlugin") -> None:
+    def __init__(self, options: MemSafePlugin) -> None:
         self.options = options
 
-    def run(self, ctx: "HookContext") -> StageOutcome | None:
+    def run(self, ctx: HookContext) -> StageOutcome | None:
         raise NotImplementedError
 
-    def after(self, ctx: "HookContext") -> StageOutcome | None:
+    def after(self, ctx: HookContext) -> StageOutcome | None:
         return None
 
-    def estimate(self, ctx: "HookContext") -> "MemoryEstimate | None":
+    def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
         """Predicted extra peak memory of :meth:`run` on this rank (``None``: no prediction).
 
         With ``preflight_memory_check`` on, the pipeline compares it with the available memory before
@@ -131,7 +131,7 @@ class HookContext:
     rank: int
     world_size: int
     device: torch.device
-    options: "MemSafePlugin"
+    options: MemSafePlugin
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     model: torch.nn.Module | None = None

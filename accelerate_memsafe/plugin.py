@@ -146,7 +146,7 @@ class MemSafePlugin:
         return PREFIX + option.upper()
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "MemSafePlugin":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> MemSafePlugin:
         """Builds a plugin from ``ACCELERATE_MEMSAFE_*`` variables (the only place that reads them).
 
         Args:
@@ -189,7 +189,7 @@ class MemSafePlugin:
             out[self.env_name(f.name)] = str(value)
         return out
 
-    def attach(self, accelerator: "accelerate.Accelerator", *, fsdp_plugin: Any = None) -> "accelerate.Accelerator":
+    def attach(self, accelerator: accelerate.Accelerator, *, fsdp_plugin: Any = None) -> accelerate.Accelerator:
         """Gives an existing stock ``accelerate.Accelerator`` the behaviour of :class:`accelerate_memsafe.Accelerator`.
 
         The instance's class is switched to a memsafe subclass of its own class (no module globals are

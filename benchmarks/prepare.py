@@ -100,7 +100,7 @@ def _worker(rank: int, world: int, port: int, path: str, setting: str, ckpt: str
     )
     try:
         queue.put((rank, "ok", _run(rank, world, path, setting, ckpt, bucket)))
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 

@@ -50,7 +50,7 @@ def _child(fn, rank, world_size, port, env, init_pg, kwargs, queue):
         buf = io.BytesIO()
         torch.save(out, buf)  # tensors travel as bytes, not as shared-memory handles of a dying process
         queue.put((rank, "ok", buf.getvalue()))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+    except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
@@ -110,7 +110,7 @@ def run_on_ranks(
             try:
                 rank, status, payload = queue.get(timeout=min(remaining, 1.0))
                 results[rank] = (status, payload)
-            except Exception:
+            except Exception:  # queue.Empty: check for dead ranks
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results]
                 if dead and all(not procs[r].is_alive() for r in dead):
                     time.sleep(0.5)  # give the queue a moment to deliver
@@ -124,7 +124,7 @@ def run_on_ranks(
                             for r in dead:
                                 results[r] = ("died", codes[r])
                             continue
-                        raise RankFailure(f"rank(s) {dead} died without reporting (exit codes {codes})")
+                        raise RankFailure(f"rank(s) {dead} died without reporting (exit codes {codes})") from None
     finally:
         for p in procs:
             p.join(timeout=10)

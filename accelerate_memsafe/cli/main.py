@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory-safe prepare / load_state / save_state / save_model for Hugging Face Accelerate.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         importlib.import_module(f"accelerate_memsafe.cli.{module}").add_parser(sub)
     return parser
 

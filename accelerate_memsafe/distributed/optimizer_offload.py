@@ -111,7 +111,7 @@ class OptimizerOffload:
         self.steps = 0
 
     @classmethod
-    def install(cls, optimizer: torch.optim.Optimizer, device: torch.device) -> "OptimizerOffload":
+    def install(cls, optimizer: torch.optim.Optimizer, device: torch.device) -> OptimizerOffload:
         """Registers the step hooks (once per optimizer) and moves any existing state to CPU."""
         found = getattr(optimizer, _ATTR, None)
         if found is not None:

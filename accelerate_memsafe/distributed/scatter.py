@@ -262,7 +262,7 @@ class BoundedPrefetcher:
                         if self._stop.is_set():
                             return
                         self._queue.put(("ok", self._produce(item)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            except BaseException as exc:
                 self._queue.put(("error", exc))
 
     def __iter__(self) -> Iterator[Any]:

@@ -196,7 +196,7 @@ def _load_structure(path: Path) -> Any:
             f"to import or run code ({detail}). Nothing was loaded and nothing was executed; load checkpoints "
             "only from sources you trust, or restore the file from an earlier checkpoint."
         ) from None
-    except Exception as exc:  # noqa: BLE001 - any other failure means the file is not a readable checkpoint
+    except Exception as exc:
         raise CheckpointError(
             f"optimizer file {path} is truncated or corrupt and cannot be read ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}). Nothing was loaded; restore the file or load an "
@@ -257,7 +257,7 @@ def plan_optimizer_load(
         groups = structure["param_groups"]
         plan.saved_groups = [dict(g) for g in groups] if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups) else groups
         size = path.stat().st_size
-        for group, saved_group, ids in _iter_groups(optimizer, plan.saved_groups, path):
+        for group, _saved_group, ids in _iter_groups(optimizer, plan.saved_groups, path):
             for pid, param in zip(ids, group["params"]):
                 saved_state = structure["state"].get(pid)
                 if saved_state is None:
@@ -294,7 +294,7 @@ def plan_dcp(plan: OptimizerLoadPlan, *, offload: bool) -> None:
     optimizer, path = plan.optimizer, plan.source
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"optimizer checkpoint {path}/.metadata is truncated or corrupt ({type(exc).__name__}: {exc}).") from None
     md = metadata.state_dict_metadata
     sizes: dict[str, int] = {}
@@ -370,7 +370,7 @@ class _FileReader:
 
     def __init__(self, path: Path):
         self.path = path
-        self.f = open(path, "rb")
+        self.f = open(path, "rb")  # noqa: SIM115 - held open across reads, closed by close()
         self.mmapped: Any = None
 
     def close(self) -> None:

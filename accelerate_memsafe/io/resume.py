@@ -143,7 +143,7 @@ def load_states(directory: str | os.PathLike, rank: int, dataloaders: list[Any])
         return 0
     try:
         states = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise CheckpointError(f"dataloader state file {path} is truncated or corrupt ({type(exc).__name__}).") from None
     if len(states) != len(dataloaders):
         raise CheckpointError(

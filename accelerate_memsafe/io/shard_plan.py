@@ -45,7 +45,7 @@ class TensorSpec:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> "TensorSpec":
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         """The spec of ``tensor`` (works for ``meta`` tensors; reads no data)."""
         return cls(name, tuple(int(s) for s in tensor.shape), tensor.dtype)
 

@@ -484,7 +484,7 @@ def load_rng_states(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with torch.serialization.safe_globals(rng_state_globals()):
             states = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any failure: the file is not a plain RNG state
+    except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         for line in str(exc).splitlines():
             if "Unsupported global" in line or "GLOBAL" in line:

@@ -84,7 +84,7 @@ class MemoryProbe:
         while not self._stop.wait(SAMPLE_INTERVAL_S):
             self._sample()
 
-    def __enter__(self) -> "MemoryProbe":
+    def __enter__(self) -> MemoryProbe:
         self._hwm_reset = reset_peak_rss()
         self._start_mem = read_proc_memory()
         self._sample()

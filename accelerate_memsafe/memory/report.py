@@ -55,7 +55,7 @@ class StageRecord:
     timeline: list[list[float]] = field(default_factory=list)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StageRecord":
+    def from_dict(cls, data: dict[str, Any]) -> StageRecord:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
@@ -108,7 +108,7 @@ class MemoryReport:
         return path
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "MemoryReport":
+    def from_json(cls, path: str | os.PathLike) -> MemoryReport:
         """Reads a report written by :meth:`to_json`.
 
         Raises:
@@ -135,7 +135,7 @@ class MemoryReport:
             )
         return "\n".join(lines)
 
-    def gather(self) -> "MemoryReport":
+    def gather(self) -> MemoryReport:
         """Collects every rank's records (a collective: call it on every rank).
 
         Returns:

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("peft")
 
-from tests.distributed import workers_peft  # noqa: E402
-from tests.spawn import run_on_ranks  # noqa: E402
+from tests.distributed import workers_peft
+from tests.spawn import run_on_ranks
 
 
 def test_sharded_adapters_reload_their_local_shards(tmp_path):

@@ -24,7 +24,7 @@ def _ref_loss(ref) -> float:
 
 def _assert_shards_equal(results, ref_sd, *, cast=None):
     world = len(results)
-    for name, p0 in results[0]["params"].items():
+    for name in results[0]["params"]:
         full = ref_sd[name] if cast is None else ref_sd[name].to(cast)
         rows = -(-full.shape[0] // world)
         for rank, res in enumerate(results):

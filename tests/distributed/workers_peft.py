@@ -26,7 +26,6 @@ def build_peft_model(seed: int):
 
 def reload_sharded_adapter(rank: int, world_size: int, *, ckpt: str) -> dict[str, Any]:
     """FSDP2-shard a differently initialised model, reload both adapters, return the local shards."""
-    import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 

@@ -224,7 +224,7 @@ def prepare_killed(rank: int, world_size: int, *, model_dir: str, timeout_s: flo
     start = time.monotonic()
     try:
         acc.prepare(model, opt)
-    except Exception as exc:  # noqa: BLE001 - the error is the result
+    except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - start}
     return {"error": None, "elapsed": time.monotonic() - start}
 

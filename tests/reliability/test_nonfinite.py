@@ -44,7 +44,7 @@ def test_nan_source_weight_is_refused_when_checked(nan_checkpoint, tmp_path):
 def test_nan_non_persistent_buffer_is_always_refused(tiny_llama_dir):
     results = run_on_ranks(workers_faults.nonfinite, 2, timeout=120, init_process_group=False, expect_failure=True,
                            where="buffer", model_dir=str(tiny_llama_dir), timeout_s=5.0)
-    for rank, (status, out) in enumerate(results):
+    for status, out in results:
         assert status == "ok", results
         assert out["error"] == "StageError", out
         assert "`model.scale_table` is not finite on rank(s) [0, 1]" in out["message"], out["message"]

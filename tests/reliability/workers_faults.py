@@ -60,7 +60,7 @@ def faulty_rank(rank: int, world_size: int, *, stage: str, kind: str, timeout_s:
         if stage == "atomic_checkpoint":
             started = time.monotonic()
             acc.save_state(ckpt)
-    except Exception as exc:  # noqa: BLE001 - reported to the test
+    except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - started,
                 "is_memsafe": type(exc).__module__.startswith("accelerate_memsafe")}
     return {"error": None, "elapsed": time.monotonic() - started}
@@ -81,7 +81,7 @@ def nonfinite(rank: int, world_size: int, *, where: str, model_dir: str, timeout
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
         acc.prepare(model, opt)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         on_meta = sum(p.device.type == "meta" for p in model.parameters())
         return {"error": type(exc).__name__, "message": str(exc), "params_on_meta": on_meta}
     return {"error": None}

@@ -208,7 +208,7 @@ def test_swap_without_renameat2_is_repaired_after_a_kill_between_the_renames(tmp
             real_rename = os.rename
             calls = []
 
-            def rename(a, b):
+            def rename(a, b, calls=calls, real_rename=real_rename):
                 calls.append((a, b))
                 real_rename(a, b)
                 if len(calls) == 1:

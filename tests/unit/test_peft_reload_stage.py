@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from accelerate_memsafe import Accelerator, CheckpointError, MemSafePlugin  # noqa: E402
+from accelerate_memsafe import Accelerator, CheckpointError, MemSafePlugin
 
 
 def _peft_model():

@@ -11,9 +11,9 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from accelerate_memsafe import MemoryBudgetError, _compat  # noqa: E402
-from accelerate_memsafe.integrations import MemSafeTrainer, MemSafeTrainerMixin  # noqa: E402
-from accelerate_memsafe.integrations import peft as peft_helpers  # noqa: E402
+from accelerate_memsafe import MemoryBudgetError, _compat
+from accelerate_memsafe.integrations import MemSafeTrainer, MemSafeTrainerMixin
+from accelerate_memsafe.integrations import peft as peft_helpers
 
 #: The scripted eval metric (lower is better): the best checkpoint is step 2, not the last one.
 SCRIPT = [3.0, 1.0, 2.0, 4.0]
