@@ -20,10 +20,7 @@ returns *are* the model's parameters, so the result maps each saved key to the p
 from __future__ import annotations
 
 import gc
-import json
-import math
 import os
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +29,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, MemoryBudgetError
+from ..io.validate import TensorInfo, check_casts, check_safetensors_file
 
 #: File names of peft's ``save_pretrained`` layout.
 ADAPTER_SAFE_WEIGHTS_NAME = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_NAME = "adapter_model.bin"
 
 _GIB = 2**30
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-    "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "C64": 8,
-}
 
 
 @dataclass(frozen=True)
@@ -135,24 +129,17 @@ def adapter_parameter_map(peft_model: Any, adapter_name: str = "default") -> dic
 # -- validation --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Entry:
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-def read_safetensors_header(path: str | os.PathLike) -> dict[str, _Entry]:
-    """Reads and checks a safetensors header without touching the data.
-
-    Checks that the header is complete, that every tensor's byte range matches its dtype and shape, and
-    that the file is long enough to hold every tensor (a truncated file names the first tensor cut off).
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Reads and checks a safetensors header without touching the data
+    (:func:`accelerate_memsafe.io.validate.check_safetensors_file`: complete header, every tensor's byte
+    range matches its dtype and shape, the file holds every tensor — a truncated file names the first
+    tensor cut off).
 
     Args:
         path: The file.
 
     Returns:
-        Tensor name -> dtype, shape and byte size.
+        Tensor name -> dtype, shape and byte range.
 
     Raises:
         CheckpointError: If the file is missing, truncated or corrupt.
@@ -160,45 +147,11 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, _Entry]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"adapter file {str(path)!r} does not exist.")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{str(path)!r} is truncated ({size} bytes): not even a safetensors header length.")
-        (n,) = struct.unpack("<Q", head)
-        if 8 + n > size:
-            raise CheckpointError(
-                f"{str(path)!r} is truncated: its header says {n} bytes of metadata but the file has {size} bytes. "
-                "Re-save the checkpoint."
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{str(path)!r} has a corrupt safetensors header ({exc}).") from None
-    data = size - 8 - n
-    entries: dict[str, _Entry] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        shape = tuple(int(s) for s in info["shape"])
-        width = _DTYPE_BYTES.get(info["dtype"])
-        if width is not None and end - begin != math.prod(shape) * width:
-            raise CheckpointError(
-                f"{str(path)!r}: tensor `{key}` has {end - begin} bytes but dtype {info['dtype']} and shape "
-                f"{list(shape)} need {math.prod(shape) * width}; the file is corrupt."
-            )
-        if end > data:
-            raise CheckpointError(
-                f"{str(path)!r} is truncated: tensor `{key}` ends at data byte {end} but the file holds only "
-                f"{data} data bytes. Re-save the checkpoint (the save was probably interrupted)."
-            )
-        entries[key] = _Entry(info["dtype"], shape, end - begin)
-    return entries
+    return check_safetensors_file(path)
 
 
 def _check_against(
-    path: Path, entries: Mapping[str, _Entry], targets: Mapping[str, torch.Tensor], *, required: Iterable[str]
+    path: Path, entries: Mapping[str, TensorInfo], targets: Mapping[str, torch.Tensor], *, required: Iterable[str]
 ) -> None:
     missing = [k for k in required if k not in entries]
     if missing:
@@ -232,20 +185,10 @@ def _check_against(
     _check_casts(path, entries, targets)
 
 
-def _check_casts(path: Path, entries: Mapping[str, _Entry], targets: Mapping[str, torch.Tensor]) -> None:
+def _check_casts(path: Path, entries: Mapping[str, TensorInfo], targets: Mapping[str, torch.Tensor]) -> None:
     """Refuses a dtype conversion that would lose data (e.g. float64 values beyond float32's range),
-    before any copy. Only tensors whose saved dtype differs from the model's are read (usually none)."""
-    from ..io import validate
-    from ..io.safetensors_source import DTYPES
-
-    differ = [k for k, e in entries.items() if DTYPES.get(e.dtype) != targets[k].dtype]
-    if not differ:
-        return
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        for key in differ:
-            validate.check_cast(key, f.get_tensor(key), targets[key].dtype, where=str(path))
+    before any copy; only tensors whose cast may lose values are read (usually none)."""
+    check_casts(entries, {k: targets[k].dtype for k in entries})
 
 
 # -- memory pre-check ---------------------------------------------------------------------------------
@@ -405,7 +348,7 @@ def copy_file_into(path: str | os.PathLike, plan: Sequence[tuple[str, torch.Tens
 
 def _plan_adapter(
     peft_model: Any, checkpoint_dir: str | os.PathLike, adapter_name: str
-) -> tuple[Path, list[tuple[str, torch.Tensor]], dict[str, _Entry]]:
+) -> tuple[Path, list[tuple[str, torch.Tensor]], dict[str, TensorInfo]]:
     mapping = adapter_parameter_map(peft_model, adapter_name)
     path = adapter_file(checkpoint_dir, adapter_name)
     if not path.is_file():

@@ -526,16 +526,7 @@ def check_against_model(infos: Mapping[str, TensorInfo], shapes: Mapping[str, tu
         >>> # check_against_model(check_safetensors_checkpoint(p), {n: tuple(t.shape) for n, t in sd.items()}, where=p)
     """
     check_keys(shapes, infos, where=where, allow_unexpected=allow_unexpected)
-    wrong = [
-        f"`{n}`: checkpoint {list(infos[n].shape)}, model {list(s)}"
-        for n, s in shapes.items()
-        if n in infos and tuple(infos[n].shape) != tuple(s)
-    ]
-    if wrong:
-        raise CheckpointError(
-            f"checkpoint {where} does not match the model: {len(wrong)} tensor(s) have another shape: "
-            f"{listing(wrong, 20)}. Load a checkpoint saved from the same model (same config)."
-        )
+    check_shapes(infos, shapes, where=where)
 
 
 #: safetensors dtype name -> torch dtype (for the cast check).
