@@ -161,6 +161,9 @@ def distributed(args: argparse.Namespace, workdir: Path) -> dict:
     }
     if accelerator.is_main_process:
         print(report.to_markdown())
+    # every rank finishes its communication before any rank tears the process group down (gloo's
+    # connections are closed by the first rank to exit)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
 

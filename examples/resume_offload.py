@@ -87,6 +87,9 @@ def main() -> None:
         print("losses:", losses)
         if args.out:
             Path(args.out).write_text(json.dumps({"start": start, "losses": losses}))
+    # every rank finishes its communication before any rank tears the process group down (gloo's
+    # connections are closed by the first rank to exit)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

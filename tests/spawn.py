@@ -55,6 +55,14 @@ def _child(fn, rank, world_size, port, env, init_pg, kwargs, queue):
     finally:
         if dist.is_initialized():
             try:
+                # every rank finishes its communication before any rank tears gloo down (a rank that exits
+                # first closes the connections under the others); fails fast if a peer is already gone
+                import datetime
+
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=5))
+            except Exception:
+                pass
+            try:
                 dist.destroy_process_group()
             except Exception:
                 pass

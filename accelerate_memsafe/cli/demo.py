@@ -114,6 +114,9 @@ def _worker(workdir: Path, steps: int) -> None:
         report.to_json(workdir / "report.json")
         print(report.to_markdown())
         (workdir / "summary.json").write_text(json.dumps({"losses": losses, "roundtrip_ok": ok_all}))
+    # every rank finishes its communication before any rank tears the process group down (gloo's
+    # connections are closed by the first rank to exit)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
