@@ -13,6 +13,7 @@ from .errors import (
     ConfigError,
     MemoryBudgetError,
     MemSafeError,
+    PeerStageError,
     PipelineError,
     StageError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "MemSafePlugin",
     "MemoryBudgetError",
     "MemoryReport",
+    "PeerStageError",
     "PipelineError",
     "Stage",
     "StageError",

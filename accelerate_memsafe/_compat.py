@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import warnings
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -126,6 +129,46 @@ def fsdp2_wrap(
         device=device,
     )
     return fsdp2_prepare_model(view, model)
+
+
+@contextlib.contextmanager
+def filtered_fully_shard(
+    root: torch.nn.Module,
+    keep: Callable[[list[torch.nn.Module]], list[torch.nn.Module]],
+    formed: Callable[[list[torch.nn.Module]], None],
+) -> Iterator[None]:
+    r"""Routes accelerate's non-root ``fully_shard`` calls through ``keep`` while the context is open.
+
+    ``fsdp2_prepare_model`` imports ``fully_shard`` from ``torch.distributed.fsdp`` when it runs and calls
+    it for every module its wrap policy picks, for the input embedding and for the ``[final_norm,
+    lm_head]`` tail. Some of those groups cannot exist: a container without ``forward`` (``size_based_wrap``
+    picks ``ModuleList``\ s: "fully_shard does not support containers that do not implement forward"), or
+    a group that would hold only one of the modules sharing a tied parameter (a BERT decoder bias, T5's
+    shared embedding: "shared with a parameter already managed by another FSDP group"). ``keep(modules)``
+    returns the modules of one call that may form a group (possibly none: the call is skipped and its
+    parameters stay with an enclosing group, ultimately the root); ``formed(modules)`` is told of every
+    group made. The root call is never filtered.
+    """
+    import torch.distributed.fsdp as fsdp
+
+    original = fsdp.fully_shard
+
+    @functools.wraps(original)
+    def call(module, *args, **kwargs):
+        if module is root:
+            return original(module, *args, **kwargs)
+        many = isinstance(module, (list, tuple))
+        kept = keep(list(module) if many else [module])
+        if kept:
+            original(kept if many else kept[0], *args, **kwargs)
+            formed(kept)
+        return module
+
+    fsdp.fully_shard = call
+    try:
+        yield
+    finally:
+        fsdp.fully_shard = original
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, fsdp_plugin: Any) -> torch.nn.Module:

@@ -29,6 +29,30 @@ def _wants_cpu_fsdp2(fsdp_plugin: Any) -> bool:
     return env.use_fsdp and env.fsdp_version == 2
 
 
+def unpin_cpu_offload(fsdp_plugin: Any) -> bool:
+    """Turns off pinning in the plugin's FSDP2 ``CPUOffloadPolicy`` (returns whether it changed anything).
+
+    ``FullyShardedDataParallelPlugin(cpu_offload=True)`` becomes ``CPUOffloadPolicy(pin_memory=True)``, and
+    FSDP2 pins offloaded shards through the accelerator runtime: on a machine without one that raises
+    "Cannot access accelerator device when none is available". Pinning only speeds host-to-device
+    copies, which a CPU-only run never makes, so the CPU FSDP2 path drops it.
+
+    Example:
+        >>> from torch.distributed.fsdp import CPUOffloadPolicy
+        >>> from types import SimpleNamespace
+        >>> plugin = SimpleNamespace(cpu_offload=CPUOffloadPolicy())
+        >>> unpin_cpu_offload(plugin), plugin.cpu_offload.pin_memory
+        (True, False)
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policy = getattr(fsdp_plugin, "cpu_offload", None)
+    if isinstance(policy, CPUOffloadPolicy) and policy.pin_memory:
+        fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+        return True
+    return False
+
+
 def _fsdp_plugin_from_env() -> Any:
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -219,6 +243,7 @@ class Accelerator(MemSafeMixin, accelerate.Accelerator):
             kwargs["fsdp_plugin"] = fsdp_plugin
         super().__init__(*args, **kwargs)
         if cpu_fsdp2:
+            unpin_cpu_offload(fsdp_plugin)
             _compat.promote_state_to_fsdp(fsdp_plugin)
         self.memsafe_plugin = plugin
 
@@ -239,6 +264,7 @@ def attach_plugin(accelerator: Any, plugin: MemSafePlugin, *, fsdp_plugin: Any =
     if fsdp_plugin is None:
         fsdp_plugin = getattr(accelerator.state, "fsdp_plugin", None) or _fsdp_plugin_from_env()
     if _wants_cpu_fsdp2(fsdp_plugin):
+        unpin_cpu_offload(fsdp_plugin)
         dtype = accelerator.state.distributed_type
         if dtype == DistributedType.NO:
             _compat.reinit_state_on_cpu(fsdp_plugin)

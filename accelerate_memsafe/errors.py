@@ -32,6 +32,40 @@ class CollectiveTimeoutError(MemSafeError, TimeoutError):
     """A collective issued by a stage did not complete within ``collective_timeout_s``."""
 
 
+class PeerStageError(StageError):
+    """Another rank failed during the same hook call; raised on this rank within seconds (instead of
+    waiting in a collective until ``collective_timeout_s``). The message names the stage, the hook and the
+    rank that failed, with that rank's own error message, and where this rank stopped.
+
+    Attributes:
+        failed_rank: The rank that failed first (``None`` if unknown).
+        stage: The stage it failed in (``accelerate.<hook>`` for accelerate's own call).
+        hook: The hook point.
+        peer_message: Its error, as ``"ExceptionType: message"``.
+        collective_abandoned: Whether this rank left a collective its peer never joined. The ranks' next
+            collectives would then pair up wrongly, so the process group must not be used again: restart
+            the processes (``torchrun`` restarts the whole worker group). ``False`` when this rank stopped
+            at an agreement point, where the process group stays usable.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failed_rank: int | None = None,
+        stage: str | None = None,
+        hook: str | None = None,
+        peer_message: str | None = None,
+        collective_abandoned: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+        self.stage = stage
+        self.hook = hook
+        self.peer_message = peer_message
+        self.collective_abandoned = collective_abandoned
+
+
 class CheckpointError(MemSafeError, ValueError):
     """A checkpoint (or a source of weights) is incomplete, corrupt, or does not match the model."""
 

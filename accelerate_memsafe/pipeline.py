@@ -56,6 +56,9 @@ class Stage:
     hooks: ClassVar[tuple[str, ...]]
     requires: ClassVar[tuple[str, ...]] = ()
     run_before: ClassVar[tuple[str, ...]] = ()
+    completed_by: ClassVar[tuple[str, ...]] = ()
+    """Stages that must also be enabled (later, at the same hook) for this one's work to be complete, e.g.
+    weights moved to ``meta`` must be refilled."""
     summary: ClassVar[str] = ""
 
     def __init__(self, options: MemSafePlugin) -> None:
@@ -201,6 +204,13 @@ def validate_stage_names(
         for later in cls.run_before:
             if later in seen and seen[later] < seen[name]:
                 problems.append(f"`{name}` must run before `{later}`. HINT: move `{name}` before `{later}`.")
+        missing_later = [s for s in cls.completed_by if s not in seen]
+        if missing_later:
+            problems.append(
+                f"`{name}` needs {', '.join(f'`{s}`' for s in missing_later)} after it to finish its work "
+                f"({cls.summary or name}); without it the model would be left unusable. HINT: add "
+                f"{', '.join(f'`{s}`' for s in missing_later)} after `{name}`, or remove `{name}`."
+            )
     if problems:
         raise PipelineError(problems)
     return {hook: tuple(registry[n] for n in known if hook in registry[n].hooks) for hook in HOOKS}
@@ -269,9 +279,21 @@ class Pipeline:
         """Runs the stages of ``ctx.hook``, then ``upstream`` (accelerate's own method), then the stages'
         ``after`` parts in reverse order.
 
+        In a multi-process run an error on one rank reaches every rank within seconds: the failing rank
+        publishes it in the process group's store before re-raising it, and the other ranks, waiting in a
+        stage's collective or at one of the two agreement points (after the last stage, before accelerate's
+        call; at the end of the hook), raise :class:`~accelerate_memsafe.errors.PeerStageError` naming the
+        stage, the rank and its message.
+
         Returns:
             What ``upstream`` returned, or ``ctx.result`` when a stage replaced the upstream call.
+
+        Raises:
+            PeerStageError: If another rank failed during this hook call.
         """
+
+        from .distributed.collectives import check_not_abandoned, hook_scope
+        from .errors import PeerStageError
 
         def call_upstream(c: HookContext) -> None:
             c.result = upstream(c)
@@ -279,25 +301,47 @@ class Pipeline:
         self._failed: list[StageRecord] = []
         done: list[list[Any]] = []
         upstream_entry: list[Any] | None = None
-        try:
-            self._preflight(ctx)
-            for stage in self.stages.get(ctx.hook, ()):
-                result, outcome, start = self._probe(ctx, stage.run, stage.name)
-                done.append([stage.name, result, outcome, start, stage])
-            if ctx.skip_upstream is None:
-                result, outcome, start = self._probe(ctx, call_upstream, f"accelerate.{ctx.hook}")
-                upstream_entry = [f"accelerate.{ctx.hook}", result, outcome, start, None]
-            for entry in reversed(done):
-                stage, outcome = entry[4], entry[2]
-                if outcome.status == "ran" and type(stage).after is not Stage.after:
-                    result2, outcome2, _ = self._probe(ctx, stage.after, stage.name)
-                    entry[1] = _merge(entry[1], result2)
-                    outcome.details.update(outcome2.details)
-        finally:
-            entries = done + ([upstream_entry] if upstream_entry else [])
-            records = [self._make_record(ctx, *e[:4]) for e in entries] + self._failed
-            for record in sorted(records, key=lambda r: r.start_s):
-                self.report.add(record)
+        timeout_s = getattr(ctx.options, "collective_timeout_s", None) or 600.0
+        current = "pipeline"
+        with hook_scope(ctx.hook, rank=ctx.rank, world_size=ctx.world_size) as scope:
+            try:
+                if scope is not None:
+                    check_not_abandoned()
+                current = "preflight"
+                self._preflight(ctx)
+                for stage in self.stages.get(ctx.hook, ()):
+                    current = stage.name
+                    result, outcome, start = self._probe(ctx, stage.run, stage.name)
+                    done.append([stage.name, result, outcome, start, stage])
+                current = "pipeline"
+                if scope is not None:
+                    # a rank whose stages are done must not enter accelerate's own collectives (which cannot
+                    # be interrupted) while a peer has failed
+                    scope.agree(f"before `accelerate.{ctx.hook}`", timeout_s=timeout_s)
+                if ctx.skip_upstream is None:
+                    current = f"accelerate.{ctx.hook}"
+                    result, outcome, start = self._probe(ctx, call_upstream, current)
+                    upstream_entry = [current, result, outcome, start, None]
+                for entry in reversed(done):
+                    stage, outcome = entry[4], entry[2]
+                    if outcome.status == "ran" and type(stage).after is not Stage.after:
+                        current = stage.name
+                        result2, outcome2, _ = self._probe(ctx, stage.after, stage.name)
+                        entry[1] = _merge(entry[1], result2)
+                        outcome.details.update(outcome2.details)
+                current = "pipeline"
+                if scope is not None:
+                    # no rank returns to the training loop's collectives while a peer failed late in the hook
+                    scope.agree(f"at the end of hook `{ctx.hook}`", timeout_s=timeout_s)
+            except BaseException as exc:
+                if scope is not None and not isinstance(exc, PeerStageError):
+                    scope.publish(current, exc)
+                raise
+            finally:
+                entries = done + ([upstream_entry] if upstream_entry else [])
+                records = [self._make_record(ctx, *e[:4]) for e in entries] + self._failed
+                for record in sorted(records, key=lambda r: r.start_s):
+                    self.report.add(record)
         return ctx.result
 
     def _preflight(self, ctx: HookContext) -> None:
@@ -325,8 +369,10 @@ class Pipeline:
         import torch.distributed as dist
 
         if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
-            errors = [None] * ctx.world_size
-            dist.all_gather_object(errors, error)
+            from .distributed.collectives import Collectives
+
+            coll = Collectives("preflight", timeout_s=options.collective_timeout_s)
+            errors = coll.all_gather_object(error, what="exchange of the preflight memory verdicts")
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
             from .errors import MemoryBudgetError

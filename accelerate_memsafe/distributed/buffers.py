@@ -2,14 +2,18 @@
 
 Non-persistent buffers (rotary ``inv_freq``, causal masks ...) are not in any state dict, so no load
 fills them: on a rank that built the model on ``meta`` they are missing, and on a rank that built it with
-uninitialised memory they are garbage. For each one:
+uninitialised memory they are garbage. Rank 0's value is the truth, even where the user changed it on
+purpose (a rescaled rotary ``inv_freq``). Rank 0 makes one plan and broadcasts it; for each buffer:
 
-1. *Recompute* it from the module's own recipe when the module has one and owns no weights that the
-   recipe could overwrite: the transformers model's ``_init_weights(module)`` (rotary embeddings), then
-   ``module.reset_parameters()``. A recipe is tried on a fresh NaN-filled tensor; it counts only if it
-   overwrote every element.
+1. *Recompute* it on the other ranks from the module's own recipe, but only where rank 0 proved that the
+   recipe reproduces rank 0's current value bit for bit (rank 0 runs it on a scratch copy and compares;
+   its own buffer is never replaced). A recipe exists when the module owns no weights that it could
+   overwrite: the transformers model's ``_init_weights(module)`` (rotary embeddings), then
+   ``module.reset_parameters()``; it counts only if it overwrote every element of a NaN-filled tensor.
 2. Otherwise *broadcast* rank 0's value.
-3. *Verify*: every buffer is finite and its checksum is the same on every rank (one all-gather).
+3. *Verify*: every buffer is finite and its checksum is the same on every rank (one all-gather). A
+   buffer that differs from rank 0's somewhere (a recipe that depends on the rank or the device) is
+   broadcast from rank 0 and verified again; one that is not finite on rank 0 is an error.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ class BufferStats:
     recomputed: int = 0
     broadcast: int = 0
     verified: int = 0
+    resent: int = 0
+
+    def details(self) -> dict[str, int]:
+        """The report's details; ``resent`` appears only when a buffer had to be sent again."""
+        out = {"recomputed": self.recomputed, "broadcast": self.broadcast, "verified": self.verified}
+        if self.resent:
+            out["resent"] = self.resent
+        return out
 
 
 def _non_persistent(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -49,13 +61,16 @@ def _owns_weights(mod: nn.Module) -> bool:
     )
 
 
-def _try_recipe(root: nn.Module, mod: nn.Module, locals_: list[str], specs: dict[str, tuple], device: torch.device) -> set[str]:
-    """Runs the module's recipe on fresh NaN buffers; returns the names it fully wrote."""
+def _run_recipe(root: nn.Module, mod: nn.Module, locals_: list[str], specs: dict[str, tuple], device: torch.device) -> dict[str, torch.Tensor]:
+    """Runs the module's recipe on fresh NaN buffers; returns the ones it fully wrote.
+
+    The module's own buffers are put back afterwards: the caller decides what to install.
+    """
     if _owns_weights(mod):
-        return set()
+        return {}
     floats = [n for n in locals_ if specs[n][1].is_floating_point]
     if not floats:
-        return set()
+        return {}
     old = {n: mod._buffers[n] for n in floats}
     for n in floats:
         mod._buffers[n] = torch.full(specs[n][0], float("nan"), dtype=specs[n][1], device=device)
@@ -66,20 +81,83 @@ def _try_recipe(root: nn.Module, mod: nn.Module, locals_: list[str], specs: dict
     reset = getattr(mod, "reset_parameters", None)
     if callable(reset):
         recipes.append(reset)
-    done: set[str] = set()
-    with torch.no_grad():
-        for recipe in recipes:
-            try:
-                recipe()
-            except Exception:
-                continue
-            done = {n for n in floats if mod._buffers[n] is not None and not torch.isnan(mod._buffers[n]).any()}
-            if done:
-                break
-    for n in floats:
-        if n not in done:
+    done: dict[str, torch.Tensor] = {}
+    try:
+        with torch.no_grad():
+            for recipe in recipes:
+                try:
+                    recipe()
+                except Exception:
+                    continue
+                done = {
+                    n: mod._buffers[n] for n in floats
+                    if mod._buffers[n] is not None and not torch.isnan(mod._buffers[n]).any()
+                }
+                if done:
+                    break
+    finally:
+        for n in floats:
             mod._buffers[n] = old[n]
     return done
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (``-0.0`` is not ``0.0``; a NaN equals the same NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.numel():
+        return True
+    a = a.detach().contiguous().reshape(-1).view(torch.uint8)
+    b = b.detach().to(a.device).contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(a, b)
+
+
+def _plan_on_rank0(model: nn.Module, buffers: list, groups: list[list[int]], device: torch.device) -> list[str]:
+    """Rank 0's decision per buffer: ``"recipe"`` where the recipe reproduces rank 0's value bit for bit
+    (or fills a buffer rank 0 holds on ``meta``), else ``"broadcast"``."""
+    plan = ["broadcast"] * len(buffers)
+    for idxs in groups:
+        mod = buffers[idxs[0]][1]
+        spec = {buffers[i][2]: (tuple(buffers[i][3].shape), buffers[i][3].dtype) for i in idxs}
+        made = _run_recipe(model, mod, [buffers[i][2] for i in idxs], spec, device)
+        for i in idxs:
+            value, mine = made.get(buffers[i][2]), buffers[i][3]
+            if value is not None and (mine.is_meta or _same_bits(value, mine)):
+                plan[i] = "recipe"
+    return plan
+
+
+def _send_from_rank0(buffers: list, idxs: list[int], specs: list[tuple], coll: Collectives, device: torch.device) -> None:
+    """Broadcasts rank 0's value of each listed buffer; rank 0 keeps its own tensor where it can."""
+    with torch.no_grad():
+        for i in idxs:
+            fqn, mod, local, _ = buffers[i]
+            shape, dtype, _ = specs[i]
+            if coll.rank == 0:
+                b = mod._buffers[local]
+                t = b if b.device == device and b.is_contiguous() else b.detach().to(device=device).contiguous().clone()
+            else:
+                t = torch.empty(shape, dtype=dtype, device=device)
+            coll.broadcast(t, src=0, what=f"broadcast of non-persistent buffer `{fqn}`")
+            mod._buffers[local] = t
+
+
+def _gather_checks(buffers: list, coll: Collectives) -> list[torch.Tensor]:
+    """Per rank, per buffer: ``[finite, checksum]`` (a buffer still on ``meta`` is ``[0, -1]``)."""
+    rows = []
+    for _, mod, local, _ in buffers:
+        t = mod._buffers[local]
+        if t.is_meta:
+            rows.append([0, -1])
+            continue
+        finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
+        rows.append([1 if finite else 0, _checksum(t)])
+    return coll.all_gather(torch.tensor(rows, dtype=torch.int64).view(-1, 2), what="checksum all-gather of non-persistent buffers")
+
+
+def _differing(gathered: list[torch.Tensor], i: int) -> list[int]:
+    """Ranks whose buffer ``i`` is not finite or whose checksum differs from rank 0's."""
+    return [r for r, g in enumerate(gathered) if int(g[i, 0]) == 0 or int(g[i, 1]) != int(gathered[0][i, 1])]
 
 
 def _checksum(t: torch.Tensor) -> int:
@@ -103,11 +181,11 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
         device: Where the buffers live.
 
     Returns:
-        How many buffers were recomputed, broadcast and verified.
+        How many buffers were recomputed (on the ranks other than 0), broadcast, verified and re-sent.
 
     Raises:
-        StageError: Naming every buffer that is not finite or differs between ranks (and the ranks),
-            or that rank 0 cannot provide (on ``meta``).
+        StageError: Naming every buffer that is not finite on rank 0 or still differs between ranks after
+            being re-sent (and the ranks), or that rank 0 cannot provide (on ``meta``, no recipe).
         CollectiveTimeoutError: If a rank stops participating.
 
     Example:
@@ -118,26 +196,21 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
     buffers = _non_persistent(model)
     if not buffers:
         return stats
-    # rank 0's shapes and dtypes are the reference; rank 0 also says which buffers it cannot provide
-    specs0 = [(tuple(b.shape), b.dtype, b.is_meta) for _, _, _, b in buffers]
-    specs = coll.broadcast_object(specs0, src=0, what="broadcast of non-persistent buffer shapes")
+    by_module: dict[int, list[int]] = {}
+    for i, (_, mod, _, _) in enumerate(buffers):
+        by_module.setdefault(id(mod), []).append(i)
+    groups = list(by_module.values())
+    # rank 0's shapes and dtypes are the reference, and rank 0 alone decides what is recomputed: the
+    # other ranks cannot know whether rank 0's value is still what the recipe makes
+    mine = None
+    if coll.rank == 0:
+        mine = ([(tuple(b.shape), b.dtype, b.is_meta) for _, _, _, b in buffers], _plan_on_rank0(model, buffers, groups, device))
+    specs, plan = coll.broadcast_object(mine, src=0, what="broadcast of non-persistent buffer shapes and plan")
     if len(specs) != len(buffers):
         raise StageError(
             f"rank {coll.rank} has {len(buffers)} non-persistent buffers, rank 0 has {len(specs)}: the models differ."
         )
-    by_module: dict[int, list[int]] = {}
-    for i, (_, mod, _, _) in enumerate(buffers):
-        by_module.setdefault(id(mod), []).append(i)
-    method: list[str] = ["broadcast"] * len(buffers)
-    for idxs in by_module.values():
-        mod = buffers[idxs[0]][1]
-        locals_ = [buffers[i][2] for i in idxs]
-        spec = {buffers[i][2]: specs[i] for i in idxs}
-        done = _try_recipe(model, mod, locals_, spec, device)
-        for i in idxs:
-            if buffers[i][2] in done:
-                method[i] = "recipe"
-    to_send = [i for i, m in enumerate(method) if m == "broadcast"]
+    to_send = [i for i, m in enumerate(plan) if m == "broadcast"]
     unprovidable = [buffers[i][0] for i in to_send if specs[i][2]]
     if unprovidable:
         raise StageError(
@@ -145,40 +218,42 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
             "no rank has a value for them. Give the module a `reset_parameters()` that fills them, or build "
             "the model on rank 0 with real buffers (e.g. `accelerate_memsafe.from_pretrained`)."
         )
-    with torch.no_grad():
-        for i in to_send:
-            fqn, mod, local, b = buffers[i]
-            shape, dtype, _ = specs[i]
-            if coll.rank == 0:
-                t = b.detach().to(device=device).contiguous().clone()
-            else:
-                t = torch.empty(shape, dtype=dtype, device=device)
-            coll.broadcast(t, src=0, what=f"broadcast of non-persistent buffer `{fqn}`")
-            mod._buffers[local] = t
-    stats.recomputed = method.count("recipe")
+    for idxs in groups:
+        # rank 0 keeps its own value (proven equal to the recipe's) unless it has none (on meta)
+        todo = [i for i in idxs if plan[i] == "recipe" and (coll.rank != 0 or specs[i][2])]
+        if not todo:
+            continue
+        mod = buffers[idxs[0]][1]
+        made = _run_recipe(model, mod, [buffers[i][2] for i in idxs], {buffers[i][2]: specs[i] for i in idxs}, device)
+        for i in todo:
+            if buffers[i][2] in made:  # else verification finds it differs, and rank 0's value is re-sent
+                mod._buffers[buffers[i][2]] = made[buffers[i][2]]
+    _send_from_rank0(buffers, to_send, specs, coll, device)
+    stats.recomputed = plan.count("recipe")
     stats.broadcast = len(to_send)
 
-    # verify: finite and bitwise identical everywhere
-    rows = []
-    for _, mod, local, _ in _non_persistent(model):
-        t = mod._buffers[local]
-        finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
-        rows.append([1 if finite else 0, _checksum(t)])
-    gathered = coll.all_gather(torch.tensor(rows, dtype=torch.int64).view(-1, 2), what="checksum all-gather of non-persistent buffers")
-    problems = []
+    # verify: finite and bitwise identical everywhere; rank 0's value wins where a rank differs
     names = [fqn for fqn, *_ in buffers]
+    gathered = _gather_checks(buffers, coll)
+    nonfinite0 = [i for i in range(len(buffers)) if int(gathered[0][i, 0]) == 0]
+    resend = [] if nonfinite0 else [i for i in range(len(buffers)) if _differing(gathered, i)]
+    if resend:
+        _send_from_rank0(buffers, resend, specs, coll, device)
+        gathered = _gather_checks(buffers, coll)
+        stats.resent = len(resend)
+    problems = []
     for i, name in enumerate(names):
         bad = [r for r, g in enumerate(gathered) if int(g[i, 0]) == 0]
         if bad:
             problems.append(f"`{name}` is not finite on rank(s) {bad}")
-        sums = [int(g[i, 1]) for g in gathered]
-        if len(set(sums)) > 1:
-            differ = [r for r, s in enumerate(sums) if s != sums[0]]
-            problems.append(f"`{name}` differs from rank 0's on rank(s) {differ} ({method[i]})")
+        differ = [r for r in _differing(gathered, i) if r not in bad]
+        if differ:
+            problems.append(f"`{name}` differs from rank 0's on rank(s) {differ} ({plan[i]})")
     if problems:
         raise StageError(
-            f"`buffer_init`: {len(problems)} non-persistent buffer problem(s): {problems[:10]}. A module's "
-            "recipe may depend on rank-local state; remove its `reset_parameters` to have rank 0's value broadcast."
+            f"`buffer_init`: {len(problems)} non-persistent buffer problem(s): {problems[:10]}. A buffer that is "
+            "not finite on rank 0 must be fixed on rank 0; one that differs after being re-sent from rank 0 "
+            "points at a broken process group."
         )
     stats.verified = len(names)
     return stats

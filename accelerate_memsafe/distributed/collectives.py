@@ -6,6 +6,12 @@ operation and the rank(s) that did not arrive. To name them, each rank marks its
 collective in the process group's key-value store (one small ``set`` per collective, no extra
 round trip of tensors); on failure the waiting rank looks up which marks are missing.
 
+A rank that *raised* does not make the others wait that long: inside a hook call (:func:`hook_scope`,
+opened by the pipeline) the failing rank publishes its error in the store, and a rank waiting in a
+collective looks for it every :data:`PEER_CHECK_INTERVAL_S` seconds (one store round trip, only while an
+op is still pending) and raises :class:`~accelerate_memsafe.errors.PeerStageError` naming the stage, the
+rank and its message. :meth:`HookScope.agree` is the same check at a point where no collective is posted.
+
 Any stage can use it::
 
     coll = Collectives("rank0_distribute", timeout_s=options.collective_timeout_s)
@@ -14,22 +20,255 @@ Any stage can use it::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
+import json
 import pickle
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, PeerStageError, StageError
 
-# Per-process count of Collectives objects created per stage: every rank creates them in the same order,
-# so the count is a key prefix that all ranks agree on without communicating.
+# Per-process count of Collectives objects created per stage outside a hook call: every rank creates them in
+# the same order, so the count is a key prefix that all ranks agree on without communicating.
 _GENERATIONS: dict[str, int] = {}
+
+#: Seconds between two looks at the failure board while a collective or an agreement is pending.
+PEER_CHECK_INTERVAL_S = 0.25
+# A pending op is polled: briefly without sleeping (small ops finish in tens of microseconds), then with
+# sleeps doubling up to _MAX_SLEEP_S, which bounds the latency added to a long transfer.
+_SPIN_S = 50e-6
+_FIRST_SLEEP_S = 20e-6
+_MAX_SLEEP_S = 0.5e-3
+# Longest message of a failed rank kept in the store (the rank's own log has the rest).
+_MAX_MESSAGE_CHARS = 4000
+
+# Per-process count of hook calls in a multi-process run (same order on every rank, like _GENERATIONS),
+# the open hook calls (nested ones on top), and process groups where this rank gave up on a pending op.
+_HOOK_CALLS = 0
+_SCOPES: list[HookScope] = []
+_ABANDONED: list[tuple[weakref.ref, str]] = []
+
+
+class HookScope:
+    """The failure board of one hook call, in the process group's store under ``accelerate_memsafe/hook/<k>``.
+
+    Every rank counts its hook calls in the same order, so ``k`` names the same call on every rank without
+    communicating, and a failure the user caught in an earlier call never affects a later one. A rank that
+    fails calls :meth:`publish` with ``(rank, stage, hook, message)``; ranks waiting in a :class:`Collectives` op or
+    at :meth:`agree` read the board and raise :class:`~accelerate_memsafe.errors.PeerStageError`.
+
+    Args:
+        hook: The hook point (``prepare`` ...).
+        index: This call's number ``k``.
+        store: The process group's key-value store.
+        rank: This rank.
+        world_size: Number of ranks.
+    """
+
+    def __init__(self, hook: str, index: int, *, store: Any, rank: int, world_size: int) -> None:
+        self.hook = hook
+        self.index = index
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.prefix = f"accelerate_memsafe/hook/{index}"
+        self.generations: dict[str, int] = {}
+        self._failures_key = f"{self.prefix}/failures"
+        self._agreements = 0
+        self._store_error: str | None = None
+
+    def publish(self, stage: str, exc: BaseException) -> None:
+        """Records on the board that this rank failed in ``stage`` with ``exc`` (one store round trip;
+        never raises: the caller re-raises its own error right after)."""
+        message = f"{type(exc).__name__}: {exc}"
+        if len(message) > _MAX_MESSAGE_CHARS:
+            message = message[:_MAX_MESSAGE_CHARS] + " [...]"
+        record = {"rank": self.rank, "stage": stage, "hook": self.hook, "message": message}
+        try:
+            # one atomic append: a reader that sees the key sees whole records
+            self.store.append(self._failures_key, (json.dumps(record) + "\n").encode())
+        except Exception:
+            pass
+
+    def peer_failures(self) -> list[dict[str, Any]]:
+        """The failures other ranks published during this hook call, first first (one store round trip
+        when there is none; ``[]`` once the store is unreachable, e.g. its host exited)."""
+        if self._store_error is not None:
+            return []
+        try:
+            if not self.store.check([self._failures_key]):
+                return []
+            raw = bytes(self.store.get(self._failures_key)).decode()
+        except Exception as exc:  # the collective itself, or the agreement, reports the lost peer
+            self._store_error = f"{type(exc).__name__}: {exc}"
+            return []
+        records = [json.loads(line) for line in raw.splitlines() if line.strip()]
+        return [r for r in records if r.get("rank") != self.rank]
+
+    def peer_error(self, failures: list[dict[str, Any]], *, stopped: str, abandoned: bool) -> PeerStageError:
+        """The error this rank raises because of ``failures`` (from :meth:`peer_failures`).
+
+        Args:
+            failures: The published failures, first first.
+            stopped: Where this rank stopped (``"in stage `buffer_init` (broadcast of ...) after 0.3s"``).
+            abandoned: Whether this rank left a collective pending.
+        """
+        first = failures[0]
+        others = sorted({f["rank"] for f in failures} - {first["rank"]})
+        also = f" (rank(s) {others} failed too)" if others else ""
+        if abandoned:
+            tail = (
+                "This rank left that collective pending, so the ranks' next collectives would pair up wrongly: "
+                "do not use this process group again; restart every process (torchrun restarts the whole worker group)."
+            )
+        else:
+            tail = "No collective was left pending: the process group is still usable."
+        return PeerStageError(
+            f"stage `{first['stage']}` at hook `{first['hook']}` failed on rank {first['rank']}: {first['message']}"
+            f"{also}; this rank ({self.rank}) stopped {stopped} instead of waiting for it. "
+            f"See rank {first['rank']}'s log for its traceback. {tail}",
+            failed_rank=first["rank"], stage=first["stage"], hook=first["hook"], peer_message=first["message"],
+            collective_abandoned=abandoned,
+        )
+
+    def raise_if_peer_failed(self, *, stopped: str) -> None:
+        """Raises :class:`~accelerate_memsafe.errors.PeerStageError` if another rank failed during this call.
+
+        Raises:
+            PeerStageError: Naming the first failure (no collective is pending on this rank).
+        """
+        failures = self.peer_failures()
+        if failures:
+            raise self.peer_error(failures, stopped=stopped, abandoned=False)
+
+    def agree(self, what: str, *, timeout_s: float) -> None:
+        """Waits until every rank has reached this point of the hook call, through the store only (no
+        collective is posted, so a rank stopped here by a peer's failure leaves the process group usable).
+
+        Each rank adds one to a counter and polls it with a short backoff, looking at the failure board
+        every :data:`PEER_CHECK_INTERVAL_S` seconds. The ranks must call it the same number of times in a
+        hook call.
+
+        Args:
+            what: Where in the hook (``"before `accelerate.prepare`"``), for messages.
+            timeout_s: Seconds to wait for the other ranks (``collective_timeout_s``).
+
+        Raises:
+            PeerStageError: If another rank failed during this hook call.
+            CollectiveTimeoutError: If a rank did not arrive within ``timeout_s`` (naming it), or the store
+                became unreachable.
+
+        Example:
+            >>> # with hook_scope("prepare", rank=rank, world_size=2) as scope:
+            >>> #     scope.agree("before `accelerate.prepare`", timeout_s=600)
+        """
+        key = f"{self.prefix}/agree/{self._agreements}"
+        self._agreements += 1
+        stopped = f"at the agreement {what} (its own stages had finished)"
+        started = time.monotonic()
+        self.raise_if_peer_failed(stopped=stopped)
+        try:
+            self.store.set(f"{key}/{self.rank}", b"1")
+            arrived = self.store.add(key, 1)
+            sleep = 1e-3
+            next_check = started + PEER_CHECK_INTERVAL_S
+            while arrived < self.world_size:
+                now = time.monotonic()
+                if now >= next_check:
+                    self.raise_if_peer_failed(stopped=f"{stopped} after {now - started:.1f}s")
+                    next_check = now + PEER_CHECK_INTERVAL_S
+                if now - started >= timeout_s:
+                    missing = [r for r in range(self.world_size) if not self.store.check([f"{key}/{r}"])]
+                    raise CollectiveTimeoutError(
+                        f"hook `{self.hook}`: the agreement {what} on rank {self.rank} did not complete within "
+                        f"collective_timeout_s={timeout_s:g}s: rank(s) {missing} never reached it. Check the log of "
+                        "the missing rank (it may have crashed, run out of memory or be stuck in a stage); raise "
+                        "`MemSafePlugin(collective_timeout_s=...)` if the ranks are merely slow."
+                    )
+                time.sleep(min(sleep, max(timeout_s - (now - started), 0.0)))
+                sleep = min(sleep * 2, 20e-3)
+                arrived = self.store.add(key, 0)
+        except (PeerStageError, CollectiveTimeoutError):
+            raise
+        except Exception as exc:
+            raise CollectiveTimeoutError(
+                f"hook `{self.hook}`: the agreement {what} on rank {self.rank} failed: the process group's store is "
+                f"unreachable ({type(exc).__name__}: {exc}); the process hosting it (rank 0, or the torchrun agent) "
+                "has probably exited. Check its log."
+            ) from exc
+
+
+@contextlib.contextmanager
+def hook_scope(hook: str, *, rank: int, world_size: int) -> Iterator[HookScope | None]:
+    """Opens the failure board of one hook call; :class:`Collectives` created inside use it.
+
+    Yields ``None`` (and counts nothing) in a single process or without a process group store, where
+    there is no peer to tell.
+
+    Args:
+        hook: The hook point.
+        rank: This rank.
+        world_size: Number of ranks (the same on every rank, so every rank counts the same calls).
+
+    Example:
+        >>> with hook_scope("prepare", rank=0, world_size=1) as scope:
+        ...     scope is None
+        True
+    """
+    global _HOOK_CALLS
+    store = _compat.default_store() if world_size > 1 and dist.is_available() and dist.is_initialized() else None
+    if store is None:
+        yield None
+        return
+    scope = HookScope(hook, _HOOK_CALLS, store=store, rank=rank, world_size=world_size)
+    _HOOK_CALLS += 1
+    _SCOPES.append(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPES.remove(scope)
+
+
+def check_not_abandoned(group: Any = None) -> None:
+    """Refuses a process group in which this rank gave up on a pending collective (a peer failed or
+    timed out): the ranks' next collectives would pair up with the wrong ops, hanging or, with equal
+    sizes, silently exchanging the wrong data.
+
+    Raises:
+        StageError: Naming the abandoned collective and how to recover.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    for ref, what in _ABANDONED:
+        if pg is not None and ref() is pg:
+            raise StageError(
+                f"this rank gave up on a pending collective earlier ({what}) after another rank failed or stopped; "
+                "its peers never joined it, so the ranks' collectives are out of step on this process group and "
+                "cannot be used again. Restart every process (torchrun restarts the whole worker group), or "
+                "destroy and re-create the process group."
+            )
+
+
+def _abandon(work: Any, group: Any, what: str) -> None:
+    """Gives up on a pending op: lets the backend run its own timeout path (NCCL aborts its communicator,
+    gloo only raises) and remembers that this process group is out of step."""
+    try:
+        work.wait(timeout=datetime.timedelta(milliseconds=1))
+    except Exception:
+        pass
+    pg = group if group is not None else dist.group.WORLD
+    if pg is not None:
+        try:
+            _ABANDONED.append((weakref.ref(pg), what))
+        except TypeError:
+            pass
 
 
 class Collectives:
@@ -53,9 +292,17 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self.ranks = list(range(self.world_size)) if group is None else dist.get_process_group_ranks(group)
         self.device = _comm_device(group)
-        generation = _GENERATIONS.get(stage, 0)
-        _GENERATIONS[stage] = generation + 1
-        self._prefix = f"accelerate_memsafe/{stage}/{generation}"
+        check_not_abandoned(group)
+        self._scope = _SCOPES[-1] if _SCOPES else None
+        if self._scope is not None:
+            # numbered within the hook call, so that a rank that failed earlier cannot shift the keys
+            generation = self._scope.generations.get(stage, 0)
+            self._scope.generations[stage] = generation + 1
+            self._prefix = f"{self._scope.prefix}/{stage}/{generation}"
+        else:
+            generation = _GENERATIONS.get(stage, 0)
+            _GENERATIONS[stage] = generation + 1
+            self._prefix = f"accelerate_memsafe/{stage}/{generation}"
         self._store = _compat.default_store()
         self._count = 0
 
@@ -79,6 +326,41 @@ class Collectives:
                 return []
         return missing
 
+    def _wait(self, work: Any, what: str, started: float) -> None:
+        """Polls ``work`` until it completes, looking at the hook's failure board every
+        :data:`PEER_CHECK_INTERVAL_S` while it is pending; gives up at ``started + timeout_s``.
+
+        Polling rather than ``work.wait(timeout=short)``: on NCCL (and its relatives) a ``wait`` that times
+        out aborts the communicator, so only the overall deadline goes through ``wait``.
+        """
+        deadline = started + self.timeout_s
+        try:
+            done = work.is_completed()
+        except Exception:  # a backend without is_completed(): block up to the deadline, as before
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+            return
+        spin_until = time.monotonic() + _SPIN_S
+        next_check = started + PEER_CHECK_INTERVAL_S
+        sleep = _FIRST_SLEEP_S
+        while not done:
+            now = time.monotonic()
+            if now >= deadline:
+                _abandon(work, self.group, f"{what} in stage `{self.stage}`")
+                raise TimeoutError(f"still pending after {now - started:.1f}s")
+            if now >= next_check and self._scope is not None:
+                failures = self._scope.peer_failures()
+                if failures:
+                    _abandon(work, self.group, f"{what} in stage `{self.stage}`")
+                    raise self._scope.peer_error(
+                        failures, stopped=f"in stage `{self.stage}` ({what}) after {now - started:.1f}s", abandoned=True
+                    )
+                next_check = now + PEER_CHECK_INTERVAL_S
+            if now >= spin_until:
+                time.sleep(min(sleep, deadline - now))
+                sleep = min(sleep * 2, _MAX_SLEEP_S)
+            done = work.is_completed()
+        work.wait()  # returns at once or raises the op's error; on NCCL orders the current stream after it
+
     def run(self, what: str, start: Callable[[], Any]) -> None:
         """Starts an async collective with ``start()`` and waits for it with the deadline.
 
@@ -87,6 +369,8 @@ class Collectives:
             start: Issues the collective with ``async_op=True`` and returns its work handle.
 
         Raises:
+            PeerStageError: If another rank failed during the same hook call (seen within about
+                :data:`PEER_CHECK_INTERVAL_S` of the failure).
             CollectiveTimeoutError: If the op failed or did not finish within ``timeout_s``.
         """
         index = self._count
@@ -96,7 +380,9 @@ class Collectives:
         try:
             work = start()
             if work is not None:
-                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+                self._wait(work, what, started)
+        except PeerStageError:
+            raise
         except Exception as exc:
             missing = self._missing(index)
             who = (
@@ -145,9 +431,27 @@ class Collectives:
         self.run(what, lambda: dist.all_gather(out, tensor, group=self.group, async_op=True))
         return [t.cpu() for t in out]
 
+    def ranks_flagging(self, flag: bool, *, what: str = "agreement") -> list[int]:
+        """The ranks whose ``flag`` is set (one all-gather): lets every rank raise together."""
+        flags = self.all_gather(torch.tensor([1 if flag else 0], dtype=torch.int64), what=what)
+        return [r for r, f in enumerate(flags) if int(f.item())]
+
     def barrier(self, *, what: str = "barrier") -> None:
         """A barrier under the deadline (an all-reduce of one element)."""
         self.all_reduce(torch.zeros(1), what=what)
+
+    def all_gather_object(self, obj: Any, *, what: str = "all_gather of metadata") -> list[Any]:
+        """Gathers a picklable object from every rank (two all-gathers: sizes, then padded bytes).
+
+        Returns:
+            Every rank's object, in rank order.
+        """
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [int(s.item()) for s in self.all_gather(torch.tensor([data.numel()], dtype=torch.int64), what=f"{what} (sizes)")]
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = self.all_gather(padded, what=what)
+        return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
 
     def broadcast_object(self, obj: Any, *, src: int = 0, what: str = "broadcast of metadata") -> Any:
         """Broadcasts a picklable object from ``src`` (two broadcasts: size, then bytes).

@@ -27,6 +27,7 @@ class TensorMeta:
     dtype: torch.dtype
     is_param: bool
     on_meta: bool
+    requires_grad: bool = False
 
 
 def weights_metadata(model: nn.Module) -> list[TensorMeta]:
@@ -41,7 +42,7 @@ def weights_metadata(model: nn.Module) -> list[TensorMeta]:
     for name, p in model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            out.append(TensorMeta(canonical_name(name), tuple(p.shape), p.dtype, True, p.is_meta))
+            out.append(TensorMeta(canonical_name(name), tuple(p.shape), p.dtype, True, p.is_meta, p.requires_grad))
     for mod_name, mod in model.named_modules():
         for local, b in mod._buffers.items():
             if b is None or local in mod._non_persistent_buffers_set or id(b) in seen:
@@ -74,10 +75,44 @@ def nonfinite_weights(model: nn.Module, *, chunk_elems: int = 1 << 24) -> list[s
     return bad
 
 
+def difference_from_rank0(own: dict[Any, Any], ref: dict[Any, Any], *, what: str) -> str | None:
+    """What differs between this rank's ``{name: property}`` and rank 0's (``None``: nothing).
+
+    Example:
+        >>> difference_from_rank0({"a": (2,), "c": (1,)}, {"a": (3,), "b": (1,)}, what="shapes")
+        "missing ['b'], extra ['c'], shapes ['`a` (2,) vs rank 0 (3,)']"
+    """
+    missing = [str(n) for n in ref if n not in own]
+    extra = [str(n) for n in own if n not in ref]
+    differ = [f"`{n}` {own[n]} vs rank 0 {ref[n]}" for n in ref if n in own and own[n] != ref[n]]
+    if not (missing or extra or differ):
+        return None
+    return f"missing {missing[:5]}, extra {extra[:5]}, {what} {differ[:5]}"
+
+
+def tensor_subclass_parameters(model: nn.Module) -> list[str]:
+    """Names (with their types) of parameters that are tensor subclasses: quantized weights such as
+    bitsandbytes' ``Params4bit`` or torchao tensors. Their bytes are not what a plain copy sees.
+
+    Example:
+        >>> tensor_subclass_parameters(torch.nn.Linear(2, 2))
+        []
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            continue
+        if type(p) not in (nn.Parameter, torch.Tensor) or type(p.detach()) is not torch.Tensor:
+            out.append(f"{canonical_name(name)} ({type(p).__name__})")
+    return out
+
+
 def agree_on_structure(model: nn.Module, coll: Collectives, *, check_finite: bool = False) -> list[TensorMeta]:
     """Checks that every rank holds the same model as rank 0 before anything is modified.
 
-    Rank 0 broadcasts its names, shapes and dtypes. A rank whose names or shapes differ, or a rank 0
+    Rank 0 broadcasts its names, shapes, dtypes and ``requires_grad`` flags. A rank whose names or shapes differ, or a rank 0
     whose own weights are on ``meta`` (nothing to distribute) or, with ``check_finite``, hold NaN/Inf,
     makes *every* rank raise. Dtypes may
     differ (a rank built on meta with another default dtype): the other ranks adopt rank 0's.
@@ -91,6 +126,14 @@ def agree_on_structure(model: nn.Module, coll: Collectives, *, check_finite: boo
     mine = weights_metadata(model)
     theirs = coll.broadcast_object(mine, src=0, what="broadcast of rank 0's parameter names and shapes")
     problems: list[str] = []
+    subclassed = tensor_subclass_parameters(model)
+    if subclassed:
+        problems.append(
+            f"rank {coll.rank} holds {len(subclassed)} parameter(s) of a tensor subclass (quantized or wrapped "
+            f"weights: {subclassed[:5]}); the rank-0 load would flatten them into plain tensors. Remove "
+            "`meta_placement` and `rank0_distribute` from `MemSafePlugin(stages=...)` for this model, or load "
+            "it unquantized."
+        )
     if coll.rank == 0:
         on_meta = [m.name for m in mine if m.on_meta]
         if on_meta:
@@ -105,18 +148,10 @@ def agree_on_structure(model: nn.Module, coll: Collectives, *, check_finite: boo
                 "checkpoint or turn off `check_finite_weights`."
             )
     else:
-        ref = {m.name: m for m in theirs}
-        own = {m.name: m for m in mine}
-        missing = [n for n in ref if n not in own]
-        extra = [n for n in own if n not in ref]
-        shapes = [f"`{n}` {own[n].shape} vs rank 0 {ref[n].shape}" for n in own if n in ref and own[n].shape != ref[n].shape]
-        if missing or extra or shapes:
-            problems.append(
-                f"rank {coll.rank}'s model differs from rank 0's: missing {missing[:5]}, extra {extra[:5]}, "
-                f"shapes {shapes[:5]}. Build the same model (same config) on every rank."
-            )
-    flags = coll.all_gather(torch.tensor([1 if problems else 0], dtype=torch.int64), what="agreement on the model structure")
-    bad = [r for r, f in enumerate(flags) if int(f.item())]
+        diff = difference_from_rank0({m.name: m.shape for m in mine}, {m.name: m.shape for m in theirs}, what="shapes")
+        if diff:
+            problems.append(f"rank {coll.rank}'s model differs from rank 0's: {diff}. Build the same model (same config) on every rank.")
+    bad = coll.ranks_flagging(bool(problems), what="agreement on the model structure")
     if bad:
         own = " ".join(problems) if problems else "see the error on those ranks."
         raise CheckpointError(f"`meta_placement`: rank(s) {bad} cannot take part in the rank-0 load: {own}")
@@ -142,7 +177,7 @@ def move_to_meta(
         keep: Return the original tensors (rank 0, the distribution source).
 
     Returns:
-        Canonical name -> original tensor when ``keep``, else an empty dict.
+        Canonical name -> original tensor when ``keep`` (every name of a tied tensor), else an empty dict.
 
     Example:
         >>> lin = torch.nn.Linear(2, 2)
@@ -151,7 +186,12 @@ def move_to_meta(
         (True, False)
     """
     dtypes = {m.name: m.dtype for m in reference}
+    # rank 0's `requires_grad` too: FSDP2 reduce-scatters the gradients of trainable parameters only, so
+    # ranks that disagree (transformers' from_pretrained unfreezes what the model's __init__ froze, e.g.
+    # Whisper's sinusoidal positions) would send different sizes in the first backward
+    trainable = {m.name: m.requires_grad for m in reference if m.is_param}
     new_by_id: dict[int, torch.Tensor] = {}
+    detached: dict[int, torch.Tensor] = {}
     originals: dict[str, torch.Tensor] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         for local, p in list(mod._parameters.items()):
@@ -160,9 +200,12 @@ def move_to_meta(
             name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
             if id(p) not in new_by_id:
                 dtype = dtypes.get(name, p.dtype)
-                new_by_id[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=p.requires_grad)
+                grad = trainable.get(name, p.requires_grad)
+                new_by_id[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"), requires_grad=grad)
                 if keep:
-                    originals[name] = p.detach()
+                    detached[id(p)] = p.detach()
+            if keep:
+                originals.setdefault(name, detached[id(p)])  # every alias of a tie names the same tensor
             mod._parameters[local] = new_by_id[id(p)]
         for local, b in list(mod._buffers.items()):
             if b is None or local in mod._non_persistent_buffers_set:
@@ -171,7 +214,9 @@ def move_to_meta(
             if id(b) not in new_by_id:
                 new_by_id[id(b)] = torch.empty(b.shape, dtype=dtypes.get(name, b.dtype), device="meta")
                 if keep:
-                    originals[name] = b.detach()
+                    detached[id(b)] = b.detach()
+            if keep:
+                originals.setdefault(name, detached[id(b)])
             mod._buffers[local] = new_by_id[id(b)]
     for opt in optimizers:
         for group in opt.param_groups:
@@ -193,15 +238,19 @@ def parallelism_blocks_meta_placement(mesh: Any, parallelism_config: Any) -> str
 def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path: str | None) -> tuple[Any, set[str]]:
     """Which of rank 0's tensors can be re-read from the checkpoint file instead of its mmap.
 
-    A tensor qualifies when its bytes are exactly the mapped bytes of the same-named checkpoint tensor
-    (a zero-copy load that nothing replaced). Reading those with ``pread`` keeps the file's pages out of
-    rank 0's RSS.
+    A tensor qualifies when it is a view of the mapped bytes of the same-named checkpoint tensor (a
+    zero-copy load that nothing replaced) *and* the kernel shows that none of the pages it touches was
+    written since (:func:`~accelerate_memsafe.io.mapped_pages.unmodified_file_pages`): an in-place edit
+    on rank 0 (a merged LoRA, new token embeddings, any weight surgery) keeps the address, and rank 0's
+    model, not the file, is what every rank must get. Reading the qualifying tensors with ``pread``
+    keeps the file's pages out of rank 0's RSS; every other tensor is read from memory.
 
     Returns:
         ``(SafetensorsSource or None, names)``.
     """
     if not checkpoint_path:
         return None, set()
+    from ..io.mapped_pages import unmodified_file_pages
     from ..io.safetensors_source import SafetensorsSource, file_backed_ranges, is_view_of_entry
 
     try:
@@ -209,9 +258,9 @@ def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path:
     except CheckpointError:
         return None, set()
     maps = file_backed_ranges(".safetensors")
-    names = {
-        n for n, t in originals.items() if n in source.entries and is_view_of_entry(t, source.entries[n], maps)
-    }
+    views = [(n, t) for n, t in originals.items() if n in source.entries and is_view_of_entry(t, source.entries[n], maps)]
+    clean = unmodified_file_pages([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in views])
+    names = {n for (n, _), ok in zip(views, clean) if ok}
     if not names:
         source.close()
         return None, set()

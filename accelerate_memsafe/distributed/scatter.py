@@ -19,8 +19,6 @@ copies alive at once never exceed ``bucket_bytes``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import queue
 import threading
 from collections.abc import Iterator, Mapping
@@ -33,8 +31,10 @@ from torch import nn
 from .. import _compat
 from ..memory.progress import byte_progress
 from ..errors import CheckpointError, StageError
-from ..io.safetensors_source import SafetensorsSource, file_backed_ranges
+from ..io.mapped_pages import CleanFilePages
+from ..io.safetensors_source import SafetensorsSource
 from .collectives import Collectives
+from .meta import difference_from_rank0
 from .sharding import canonical_name
 
 _ALIGN = 16  # byte alignment of each piece inside a bucket buffer (so that `.view(dtype)` is legal)
@@ -69,9 +69,12 @@ class Rank0Source:
         from_checkpoint: set[str] | None = None,
     ) -> None:
         self.tensors = dict(tensors)
+        self._aliases: dict[int, list[str]] = {}
+        for name, t in self.tensors.items():
+            self._aliases.setdefault(id(t), []).append(name)
         self.checkpoint = checkpoint
         self.from_checkpoint = set(from_checkpoint or ())
-        self._maps: list[tuple[int, int, int, str]] | None = None
+        self._pages = CleanFilePages(t for n, t in self.tensors.items() if n not in self.from_checkpoint)
         self.released_bytes = 0
 
     def is_meta(self, name: str) -> bool:
@@ -92,42 +95,16 @@ class Rank0Source:
     def release(self, name: str) -> None:
         """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel."""
         t = self.tensors.pop(name, None)
-        if t is None or name in self.from_checkpoint or t.device.type != "cpu" or not t.is_contiguous():
+        for alias in self._aliases.pop(id(t), ()) if t is not None else ():
+            self.tensors.pop(alias, None)  # the other names of a tie: the tensor has been sent
+        if t is None or name in self.from_checkpoint:
             return
-        if self._maps is None:
-            self._maps = file_backed_ranges("")
-        self.released_bytes += _dontneed_file_pages(t, self._maps)
+        self.released_bytes += self._pages.drop(t)
 
     def close(self) -> None:
         self.tensors.clear()
         if self.checkpoint is not None:
             self.checkpoint.close()
-
-
-_MADV_DONTNEED = 4
-_PAGE = 4096
-
-
-def _dontneed_file_pages(t: torch.Tensor, maps: list[tuple[int, int, int, str]]) -> int:
-    """``madvise(MADV_DONTNEED)`` the pages that lie entirely inside ``t`` when ``t`` is a view of a
-    file mapping (an mmap-loaded checkpoint): they leave this process's RSS and are re-read from the
-    file if touched again. Anonymous memory is never touched (DONTNEED would zero it)."""
-    lo, n = t.data_ptr(), t.numel() * t.element_size()
-    if n < _PAGE or not any(a <= lo and lo + n <= b and path for a, b, _, path in maps):
-        return 0
-    start = (lo + _PAGE - 1) // _PAGE * _PAGE
-    end = (lo + n) // _PAGE * _PAGE
-    if end <= start:
-        return 0
-    name = ctypes.util.find_library("c")
-    if not name:
-        return 0
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        rc = libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
-    except (OSError, AttributeError):
-        return 0
-    return end - start if rc == 0 else 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -339,6 +316,54 @@ def _sharded_and_replicated(model: nn.Module, world_size: int) -> tuple[list[_Sh
     return sharded, replicated
 
 
+def follow_rank0_layout(
+    sharded: list[_Sharded],
+    replicated: list[tuple[str, nn.Module, str, torch.Tensor, bool]],
+    coll: Collectives,
+    *,
+    rank0_problem: str | None = None,
+) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
+    """One plan for all ranks: rank 0's list of tensors (names, order, shapes, dtypes) is broadcast, and
+    every rank orders its own tensors by it. The bucket plan is then computed from identical inputs on
+    every rank, so no collective can ever see the ranks disagree on sizes. A rank whose tensors differ
+    from rank 0's makes every rank raise (one all-gather of a flag) before any byte moves.
+
+    Args:
+        rank0_problem: Why rank 0 cannot send (e.g. weights missing from its source): shared in the same
+            broadcast, so that every rank raises it.
+
+    Returns:
+        ``(sharded, replicated)`` in rank 0's order.
+
+    Raises:
+        CheckpointError: On every rank, with rank 0's problem.
+        StageError: On every rank, naming the ranks and their first differences.
+    """
+    layout = [("s", i.name, i.shape, str(i.dtype)) for i in sharded]
+    layout += [("r", name, tuple(t.shape), str(t.dtype)) for name, _, _, t, _ in replicated]
+    ref, problem0 = coll.broadcast_object((layout, rank0_problem), src=0, what="broadcast of rank 0's distribution layout")
+    if problem0:
+        raise CheckpointError(f"`rank0_distribute`: {problem0}")
+    problems: list[str] = []
+    if coll.rank != 0:
+        diff = difference_from_rank0(
+            {(k, n): (shape, dtype) for k, n, shape, dtype in layout}, {(k, n): (shape, dtype) for k, n, shape, dtype in ref},
+            what="shape/dtype",
+        )
+        if diff:
+            problems.append(f"rank {coll.rank}'s sharded model differs from rank 0's: {diff}")
+    bad = coll.ranks_flagging(bool(problems), what="agreement on the distribution layout")
+    if bad:
+        raise StageError(
+            f"`rank0_distribute`: rank(s) {bad} would receive other tensors than rank 0 sends: "
+            f"{' '.join(problems) or 'see the error on those ranks'}. Build the same model with the same dtype on "
+            "every rank (e.g. `accelerate_memsafe.from_pretrained`)."
+        )
+    by_name = {i.name: i for i in sharded}
+    rep_by_name = {r[0]: r for r in replicated}
+    return [by_name[n] for k, n, _, _ in ref if k == "s"], [rep_by_name[n] for k, n, _, _ in ref if k == "r"]
+
+
 def materialize_meta_shards(model: nn.Module, device: torch.device) -> None:
     """Allocates (uninitialised) local storage for every sharded parameter still on ``meta``, keeping
     parameter identity (FSDP2's ``_apply`` re-pads the sharded parameters). Only local shards are
@@ -385,18 +410,21 @@ def distribute_from_rank0(
     """
     rank, world = coll.rank, coll.world_size
     sharded, replicated = _sharded_and_replicated(model, world)
-    budget = max(_ALIGN * world, bucket_bytes // (prefetch_buckets + 2))
-    stats = DistributeStats(sharded_tensors=len(sharded), replicated_tensors=len(replicated), bucket_budget=budget)
+    problem = None
     if rank == 0:
         missing = [n for n, *_ in replicated if n not in source.tensors] + [i.name for i in sharded if i.name not in source.tensors]
         on_meta = [i.name for i in sharded if i.name in source.tensors and source.is_meta(i.name)]
         on_meta += [n for n, *_ in replicated if n in source.tensors and source.is_meta(n)]
         if missing or on_meta:
-            raise CheckpointError(
+            problem = (
                 f"rank 0 has no weights to distribute for {len(missing) + len(on_meta)} tensor(s): "
                 f"missing {missing[:10]}, on meta {on_meta[:10]}. Rank 0 must hold the real weights "
                 "(load them there, e.g. with `accelerate_memsafe.from_pretrained`)."
             )
+    sharded, replicated = follow_rank0_layout(sharded, replicated, coll, rank0_problem=problem)
+    budget = max(_ALIGN * world, bucket_bytes // (prefetch_buckets + 2))
+    stats = DistributeStats(sharded_tensors=len(sharded), replicated_tensors=len(replicated), bucket_budget=budget)
+    if rank == 0:
         stats.from_checkpoint = len(source.from_checkpoint)
     materialize_meta_shards(model, device)
     buckets = plan_buckets(sharded, world, budget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -94,6 +95,73 @@ def named_parameters_canonical(model: torch.nn.Module) -> dict[str, torch.nn.Par
     return {canonical_name(n): p for n, p in model.named_parameters()}
 
 
+def _implements_forward(module: torch.nn.Module) -> bool:
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def _group_params(module: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    """The parameters a ``fully_shard(module)`` would manage: those of ``module`` and of its descendants,
+    not looking inside descendants that already are FSDP groups."""
+    from torch.distributed.fsdp import FSDPModule
+
+    stack = [module]
+    while stack:
+        mod = stack.pop()
+        yield from (p for p in mod._parameters.values() if p is not None)
+        stack.extend(c for c in mod.children() if not isinstance(c, FSDPModule))
+
+
+class GroupFilter:
+    """Keeps every non-root FSDP2 group formable (see ``_compat.filtered_fully_shard``).
+
+    From the modules of one ``fully_shard`` call :meth:`select` drops containers without ``forward``,
+    modules whose parameters an earlier group already manages (accelerate's tail ``[final_norm, lm_head]``
+    after ``size_based_wrap`` grouped their parent), and, repeatedly, every module holding a parameter that
+    is also owned by a module outside the call (a tie the group would split). What is dropped stays with
+    an enclosing group, so tied parameters always end up in one group: the smallest that holds every
+    module using them.
+
+    Example:
+        >>> a = torch.nn.Linear(2, 2); b = torch.nn.Linear(2, 2); b.weight = a.weight
+        >>> f = GroupFilter(torch.nn.Sequential(a, b))
+        >>> f.select([a]), len(f.select([a, b]))
+        ([], 2)
+    """
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.root = root
+        self.managed: set[int] = set()
+        self.dropped: list[str] = []
+
+    def select(self, modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        kept = [m for m in modules if _implements_forward(m) and not any(id(p) in self.managed for p in _group_params(m))]
+        owners: dict[int, set[int]] = {}
+        for mod in self.root.modules():
+            for p in mod._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), set()).add(id(mod))
+        while kept:
+            inside = {id(m) for k in kept for m in k.modules()}
+            split = [k for k in kept if any(not owners[id(p)] <= inside for p in _group_params(k))]
+            if not split:
+                break
+            kept = [k for k in kept if k not in split]
+        self.dropped.extend(type(m).__name__ for m in modules if m not in kept)
+        return kept
+
+    def formed(self, modules: list[torch.nn.Module]) -> None:
+        for m in modules:
+            self.managed.update(id(p) for p in _group_params(m))
+
+
+def resolve_wrap_policy(fsdp_plugin: Any, model: torch.nn.Module) -> None:
+    """Resolves the plugin's ``auto_wrap_policy`` against the *unwrapped* model, once, as accelerate's
+    ``_prepare_fsdp2`` does first thing. After ``fully_shard`` the layer classes are renamed
+    (``FSDPLlamaDecoderLayer``), so resolving later by class name fails; a resolved policy (a
+    ``functools.partial``) makes accelerate's own second call a no-op."""
+    fsdp_plugin.set_auto_wrap_policy(model)
+
+
 def shard_model(
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
@@ -128,16 +196,19 @@ def shard_model(
         >>> # model = shard_model(model, [opt], fsdp_plugin=plugin, mixed_precision="no")
     """
     old = named_parameters_canonical(model)
+    resolve_wrap_policy(fsdp_plugin, model)
     if fsdp_plugin.activation_checkpointing:
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
-    model = _compat.fsdp2_wrap(
-        model,
-        fsdp_plugin=fsdp_plugin,
-        mixed_precision=mixed_precision,
-        mesh=mesh,
-        parallelism_config=parallelism_config,
-        is_main_process=is_main_process,
-        device=device or torch.device("cpu"),
-    )
+    groups = GroupFilter(model)
+    with _compat.filtered_fully_shard(model, groups.select, groups.formed):
+        model = _compat.fsdp2_wrap(
+            model,
+            fsdp_plugin=fsdp_plugin,
+            mixed_precision=mixed_precision,
+            mesh=mesh,
+            parallelism_config=parallelism_config,
+            is_main_process=is_main_process,
+            device=device or torch.device("cpu"),
+        )
     remap_optimizer_params(optimizers, old, named_parameters_canonical(model))
     return model

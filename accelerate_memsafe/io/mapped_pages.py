@@ -1,4 +1,4 @@
-"""Give back the resident pages of memory-mapped weights once they have been written.
+"""Pages of memory-mapped weights: which still hold the file's bytes, and giving resident ones back.
 
 transformers 5.x loads cpu-resident weights as views of a memory-mapped checkpoint file: reading them to
 save them faults their pages in, and they stay in the process's RSS (file-backed, not private) for as long
@@ -7,6 +7,11 @@ as the model lives. After a shard is written we ask the kernel to reclaim exactl
 re-read from the file on the next access, and pages a process modified are private memory the kernel
 keeps (or swaps). Memory that is not file-backed (tensors in ordinary allocations) is never advised, so a
 model trained in memory is not pushed to swap.
+
+A weight loaded that way keeps its address when written in place (the mapping is copy-on-write), so an
+address inside the file mapping does not prove the bytes are the file's: :func:`unmodified_file_pages`
+asks ``/proc/self/pagemap`` which pages are still the file's own. This module is the package's one
+place that inspects pages (``/proc/self/maps``, ``/proc/self/pagemap``, ``madvise``).
 """
 
 from __future__ import annotations
@@ -14,14 +19,65 @@ from __future__ import annotations
 import bisect
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
 _MADV_PAGEOUT = 21
+_MADV_DONTNEED = 4
 _MAPS = "/proc/self/maps"
+_PAGEMAP = "/proc/self/pagemap"
+# /proc/self/pagemap: one little-endian u64 per virtual page (Documentation/admin-guide/mm/pagemap.rst)
+_PM_PRESENT = 1 << 63
+_PM_SWAP = 1 << 62
+_PM_FILE = 1 << 61  # file page or shared anonymous page; clear on a private copy-on-write copy
+#: Spans closer than this many pages are read with one ``pread`` (holes between them read as zeros).
+_MERGE_GAP_PAGES = 1 << 14
+
+
+def file_mappings(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[int, int, int, str]]:
+    """The mappings of regular files in this process whose path ends with ``path_suffix``.
+
+    Never ``[heap]``, ``[stack]``, anonymous memory, memfd, device files or deleted files: anonymous
+    memory is where ``MADV_DONTNEED`` would zero data instead of dropping clean file pages.
+
+    Args:
+        path_suffix: Keep only paths ending with it (``""``: every regular file).
+        resolve: Give each path through ``os.path.realpath`` (a few ``lstat`` per file; off where
+            only the address ranges matter).
+
+    Returns:
+        ``(start, end, file_offset, path)`` per mapping, in address order; empty where ``/proc`` is
+        unavailable.
+
+    Example:
+        >>> all(lo < hi for lo, hi, _, _ in file_mappings(".so"))
+        True
+    """
+    out = []
+    real: dict[str, str | None] = {}  # one stat per file, not per mapping (a .so has several)
+    try:
+        with open(_MAPS, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6:
+                    continue  # anonymous mapping
+                path = parts[5].strip()
+                if not path.startswith("/") or path.endswith("(deleted)") or not path.endswith(path_suffix):
+                    continue
+                if path not in real:
+                    real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
+                if real[path] is None:
+                    continue
+                start, _, end = parts[0].partition("-")
+                out.append((int(start, 16), int(end, 16), int(parts[2], 16), real[path]))
+    except OSError:
+        return []
+    out.sort()
+    return out
 
 
 def file_backed_ranges() -> list[tuple[int, int]]:
@@ -30,22 +86,111 @@ def file_backed_ranges() -> list[tuple[int, int]]:
     Returns:
         ``[(start, end), ...]``; empty where ``/proc`` is not available.
     """
-    ranges = []
+    return [(lo, hi) for lo, hi, _, _ in file_mappings(resolve=False)]
+
+
+@functools.cache
+def _pagemap_reports_private_writes() -> bool:
+    """Whether this kernel's pagemap shows a page this process wrote as present and not a file page.
+
+    Checked once on a page of our own: a kernel or sandbox without a working pagemap (entries all zero,
+    file missing, permission refused) must never make a written page look unmodified.
+    """
+    page = mmap.PAGESIZE
+    probe = bytearray(2 * page)
+    base = ctypes.addressof((ctypes.c_char * len(probe)).from_buffer(probe))
+    addr = (base + page - 1) // page * page  # the page-aligned page inside the probe
+    probe[addr - base] = 1
+    entries = _pagemap_entries(addr // page, addr // page + 1)
+    if entries is None:
+        return False
+    e = int(entries[0]) & (2**64 - 1)
+    return bool(e & _PM_PRESENT) and not e & _PM_FILE
+
+
+def _pagemap_entries(first: int, last: int) -> torch.Tensor | None:
+    """The pagemap entries of virtual pages ``[first, last)`` (int64; bit 63 is the sign), or ``None``."""
+    want = 8 * (last - first)
+    buf = bytearray(want)
+    view = memoryview(buf)
     try:
-        with open(_MAPS, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6:
-                    continue
-                path = parts[5].strip()
-                if not path.startswith("/") or path.endswith(" (deleted)"):
-                    continue
-                start, _, end = parts[0].partition("-")
-                ranges.append((int(start, 16), int(end, 16)))
+        fd = os.open(_PAGEMAP, os.O_RDONLY)
     except OSError:
-        return []
-    ranges.sort()
-    return ranges
+        return None
+    try:
+        got = 0
+        while got < want:
+            n = os.preadv(fd, [view[got:]], 8 * first + got)
+            if n <= 0:
+                return None
+            got += n
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buf, dtype=torch.int64) if want else torch.zeros(0, dtype=torch.int64)
+
+
+def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
+    """Whether each address range ``[begin, end)`` still holds exactly the bytes of the file it maps.
+
+    An in-place write to a private (copy-on-write) file mapping keeps the address: the written page
+    becomes a private anonymous copy. ``/proc/self/pagemap`` tells the two apart (one u64 per page: bit
+    63 present, bit 62 swapped, bit 61 file page). A range qualifies only if every page it touches, the
+    partial pages at its edges included, is either not present (the next access reads the file) or
+    present as a file page. A written page (present without bit 61, or swapped out) disqualifies it, even
+    when another tensor sharing the page was written; so does a range that is not inside one mapping of
+    a regular file (anonymous memory holds no file's bytes, touched or not).
+
+    Nothing qualifies where pagemap cannot be read or does not report a written page as such (not Linux,
+    no permission, a sandbox kernel): callers then read from memory, which is always correct. Ranges
+    that lie close together are read with one ``pread``: 8 bytes per 4 KiB page, 2 MiB for a 1 GB model.
+
+    Args:
+        spans: Byte ranges of this process's memory, e.g. ``(t.data_ptr(), t.data_ptr() + t.nbytes)``.
+
+    Returns:
+        One flag per span, in order (``False`` for an empty span).
+
+    Example:
+        >>> buf = torch.ones(4096)  # anonymous memory that was written: never unmodified file pages
+        >>> unmodified_file_pages([(buf.data_ptr(), buf.data_ptr() + buf.nbytes)])
+        [False]
+    """
+    out = [False] * len(spans)
+    if not spans or not _pagemap_reports_private_writes():
+        return out
+    maps = file_mappings(resolve=False)
+    starts = [lo for lo, _, _, _ in maps]
+
+    def in_one_file_mapping(begin: int, end: int) -> bool:
+        k = bisect.bisect_right(starts, begin) - 1
+        return k >= 0 and end <= maps[k][1]
+
+    page = mmap.PAGESIZE
+    pages = [(b // page, (e + page - 1) // page, i) for i, (b, e) in enumerate(spans) if e > b and in_one_file_mapping(b, e)]
+    pages.sort()
+    run: list[tuple[int, int, int]] = []
+    run_end = 0
+    for k, item in enumerate(pages):
+        run.append(item)
+        run_end = max(run_end, item[1])
+        nxt = pages[k + 1] if k + 1 < len(pages) else None
+        if nxt is not None and nxt[0] <= run_end + _MERGE_GAP_PAGES:
+            continue
+        lo = run[0][0]
+        entries = _pagemap_entries(lo, run_end)
+        if entries is not None:
+            # present without the file bit (bit 63 is the sign of an int64), or swapped out
+            written = ((entries & _PM_SWAP) != 0) | ((entries < 0) & ((entries & _PM_FILE) == 0))
+            seen = torch.zeros(len(written) + 1, dtype=torch.int64)
+            seen[1:] = torch.cumsum(written, 0)
+            firsts = torch.tensor([f - lo for f, _, _ in run])
+            lasts = torch.tensor([last - lo for _, last, _ in run])
+            for (_, _, i), clean in zip(run, (seen[lasts] == seen[firsts]).tolist()):
+                out[i] = clean
+        run, run_end = [], 0
+    return out
 
 
 def _libc():
@@ -99,3 +244,41 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], ranges: list[tuple[int
         if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0:
             advised += hi - lo
     return advised
+
+
+class CleanFilePages:
+    r"""Drops tensors' whole pages from this process's RSS once they have been read, where that is safe.
+
+    Built over the tensors that will be released; which of them still hold exactly their file's bytes
+    (views of a file mapping with no written page, see :func:`unmodified_file_pages`) is decided once,
+    here, with one pagemap read. :meth:`drop` then ``madvise(MADV_DONTNEED)``\ s the whole pages of a
+    clean tensor (the next access re-reads the file) and leaves every other tensor alone: on a private
+    mapping DONTNEED would silently revert a write, which must never happen to a user's edited weights.
+
+    Example:
+        >>> t = torch.ones(8192)  # anonymous memory: never dropped
+        >>> CleanFilePages([t]).drop(t)
+        0
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]) -> None:
+        spans, ids = [], []
+        for t in tensors:
+            if t.device.type == "cpu" and t.is_contiguous() and t.numel():
+                spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+                ids.append(id(t))
+        flags = unmodified_file_pages(spans) if spans else []
+        self._clean = {i for i, ok in zip(ids, flags) if ok}
+
+    def drop(self, t: torch.Tensor) -> int:
+        """Drops ``t``'s whole pages if it was clean when this object was built; returns the bytes dropped."""
+        if id(t) not in self._clean:
+            return 0
+        self._clean.discard(id(t))
+        libc = _libc()
+        page = mmap.PAGESIZE
+        begin = t.data_ptr()
+        lo, hi = (begin + page - 1) // page * page, (begin + t.numel() * t.element_size()) // page * page
+        if libc is None or hi <= lo:
+            return 0
+        return hi - lo if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0 else 0

@@ -222,34 +222,21 @@ def file_backed_ranges(path_suffix: str = ".safetensors") -> list[tuple[int, int
     """The mappings of regular files in this process whose path ends with ``path_suffix``.
 
     Returns:
-        ``(start, end, file_offset, path)`` per mapping (empty where ``/proc`` is unavailable).
+        ``(start, end, file_offset, path)`` per mapping (empty where ``/proc`` is unavailable); see
+        :func:`accelerate_memsafe.io.mapped_pages.file_mappings`.
     """
-    out = []
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) < 6:
-                    continue  # anonymous mapping
-                name = parts[5].strip()
-                # only regular files: never [heap], [stack], memfd or deleted files (anonymous memory,
-                # where MADV_DONTNEED would zero data instead of dropping clean file pages)
-                if not name.startswith("/") or name.endswith("(deleted)") or not name.endswith(path_suffix):
-                    continue
-                if not os.path.isfile(name):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi, int(parts[2], 16), os.path.realpath(parts[5].strip())))
-    except OSError:
-        return []
-    return out
+    from .mapped_pages import file_mappings
+
+    return file_mappings(path_suffix)
 
 
 def is_view_of_entry(tensor: torch.Tensor, entry: TensorEntry, maps: list[tuple[int, int, int, str]]) -> bool:
     """Whether ``tensor``'s bytes are the memory-mapped bytes of ``entry`` (a zero-copy load).
 
-    transformers 5 loads weights as views of a copy-on-write mmap of the checkpoint; such a tensor can be
-    re-read from the file with ``pread`` instead of paging the mapping in.
+    transformers 5 loads weights as views of a copy-on-write mmap of the checkpoint. A view keeps its
+    address when written in place, so this says where the bytes *came from*, not that they are still the
+    file's: check that with :func:`accelerate_memsafe.io.mapped_pages.unmodified_file_pages` before
+    re-reading the tensor from the file.
     """
     if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape or not tensor.is_contiguous():
         return False

@@ -8,9 +8,11 @@ from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 
 class BufferInitStage(Stage):
-    """Makes each non-persistent buffer (rotary ``inv_freq``, masks ...) correct on every rank: from the
-    module's own recipe (transformers' ``_init_weights``, ``reset_parameters``) where one exists, else
-    broadcast from rank 0; then checks that each is finite and bitwise identical on every rank."""
+    """Makes each non-persistent buffer (rotary ``inv_freq``, masks ...) equal to rank 0's on every rank:
+    recomputed from the module's own recipe (transformers' ``_init_weights``, ``reset_parameters``) where
+    rank 0 proved that the recipe reproduces its value bit for bit, else broadcast from rank 0 (a buffer
+    rank 0 changed on purpose keeps rank 0's value); then checks that each is finite and bitwise identical
+    on every rank, sending rank 0's value again where a rank differs (``resent`` in the report)."""
 
     name = "buffer_init"
     hooks = ("prepare",)
@@ -24,4 +26,4 @@ class BufferInitStage(Stage):
             return skipped("single process: nothing to synchronise")
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         stats = init_non_persistent_buffers(ctx.model, coll=coll, device=ctx.device)
-        return ran(**vars(stats))
+        return ran(**stats.details())

@@ -37,6 +37,7 @@ class MetaPlacementStage(Stage):
     name = "meta_placement"
     hooks = ("prepare",)
     run_before = ("shard",)
+    completed_by = ("shard", "rank0_distribute")
     summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
 
     def run(self, ctx: HookContext) -> StageOutcome:

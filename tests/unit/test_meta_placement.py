@@ -38,9 +38,19 @@ def test_move_to_meta_keeps_ties_optimizer_refs_and_originals():
 
 def test_move_to_meta_adopts_rank0_dtypes_and_keeps_nothing_off_rank0():
     model = Tied()
-    ref = [type(m)(m.name, m.shape, torch.bfloat16, m.is_param, False) for m in weights_metadata(model)]
+    ref = [type(m)(m.name, m.shape, torch.bfloat16, m.is_param, False, m.requires_grad) for m in weights_metadata(model)]
     assert move_to_meta(model, [], ref, keep=False) == {}
     assert model.emb.weight.dtype == torch.bfloat16 and model.emb.weight.requires_grad
+
+
+def test_move_to_meta_adopts_rank0_requires_grad():
+    # transformers' from_pretrained (rank 0) unfreezes what a model's __init__ froze (Whisper's sinusoidal
+    # positions), a model built from the config (other ranks) keeps it frozen: FSDP2 then reduce-scatters
+    # different sizes in the first backward and gloo aborts every rank
+    model = Tied()
+    ref = [type(m)(m.name, m.shape, m.dtype, m.is_param, False, False) for m in weights_metadata(model)]
+    move_to_meta(model, [], ref, keep=False)
+    assert not model.emb.weight.requires_grad and model.head.weight is model.emb.weight
 
 
 def test_hsdp_and_tp_are_declined_with_a_reason():

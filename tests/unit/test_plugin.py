@@ -129,3 +129,18 @@ def test_plugin_is_frozen():
     plugin = MemSafePlugin()
     with pytest.raises(Exception):
         plugin.bucket_bytes = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("stages", [["meta_placement", "shard"], ["meta_placement"], ["meta_placement", "shard", "buffer_init"]])
+def test_stages_that_would_leave_weights_on_meta_are_refused(stages):
+    # before: MemSafePlugin(stages=["meta_placement", "shard"]) was accepted and every weight stayed on meta
+    with pytest.raises(PipelineError, match="`meta_placement` needs .*`rank0_distribute` after it"):
+        MemSafePlugin(stages=stages)
+
+
+def test_every_stage_that_needs_a_later_stage_is_refused_without_it():
+    for name, cls in STAGE_REGISTRY.items():
+        for later in cls.completed_by:
+            order = [n for n in DEFAULT_STAGES if n != later]
+            with pytest.raises(PipelineError, match=f"`{name}` needs"):
+                MemSafePlugin(stages=order)

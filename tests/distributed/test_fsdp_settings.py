@@ -1,0 +1,88 @@
+"""FSDP2 settings users write, with the plugin, on 2 gloo ranks — each cell compared with a single-process
+load of the checkpoint (bitwise) and with accelerate's own path (``MemSafePlugin(stages=[])``) in the
+same run. Where stock accelerate runs, the plugin must give the same result; where it does not, the
+plugin may do better but never worse.
+
+Before this round every wrap policy crashed the plugin's ``prepare`` ("Could not find the transformer
+layer class LlamaDecoderLayer"), ``cpu_offload=True`` crashed both paths on a machine without an
+accelerator ("Cannot access accelerator device"), and a BERT masked LM (tied decoder bias) or T5
+(shared embedding) was refused on rank 0 only ("rank 0 has no weights to distribute ... missing
+['cls.predictions.decoder.bias']") while rank 1 waited.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import workers_fsdp_settings as w
+from tests.spawn import run_on_ranks
+
+TBW = {"auto_wrap_policy": "transformer_based_wrap"}
+FAMILIES = {
+    "llama_tied": [
+        {"id": "transformer_based_wrap", "fsdp": TBW},
+        {"id": "transformer_cls_names_to_wrap", "fsdp": {**TBW, "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"]}},
+        {"id": "size_based_wrap", "fsdp": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 500}},
+        {"id": "no_wrap", "fsdp": {}},
+        {"id": "activation_checkpointing", "fsdp": {**TBW, "activation_checkpointing": True}},
+        {"id": "cpu_offload", "fsdp": {**TBW, "cpu_offload": True}},
+        {"id": "bf16", "fsdp": TBW, "mixed_precision": "bf16"},
+    ],
+    "bert_mlm": [
+        {"id": "no_wrap", "fsdp": {}},
+        {"id": "transformer_based_wrap", "fsdp": TBW},
+        {"id": "size_based_wrap", "fsdp": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 500}},
+    ],
+    "t5": [
+        {"id": "no_wrap", "fsdp": {}},
+        {"id": "transformer_based_wrap", "fsdp": TBW},
+        {"id": "size_based_wrap", "fsdp": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 500}},
+    ],
+    "whisper": [
+        {"id": "transformer_based_wrap", "fsdp": TBW},
+        {"id": "size_based_wrap", "fsdp": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 500}},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: (str(root / f), w.save_family(str(root / f), f)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_stock(family, checkpoints):
+    model_dir, auto = checkpoints[family]
+    summaries = run_on_ranks(w.run_cells, 2, timeout=420, init_process_group=False,
+                             model_dir=model_dir, auto_name=auto, cells=FAMILIES[family])[0]
+    failures = []
+    for s in summaries:
+        cell = f"{family}/{s['cell']}"
+        if s["plugin_error"]:
+            failures.append(f"{cell}: plugin raised {s['plugin_error']} (stock: {s['stock_error'] or 'ran'})\n{s['plugin_trace']}")
+            continue
+        if s["differ"]:
+            failures.append(f"{cell}: {len(s['differ'])} tensor(s) differ from the reference: {s['differ'][:5]}")
+        if s["ties"] != s["ref_ties"]:
+            failures.append(f"{cell}: ties {s['ties']} != reference {s['ref_ties']}")
+        if not s["ranks_agree"]:
+            failures.append(f"{cell}: the ranks hold different full tensors")
+        if not s["finite"]:
+            failures.append(f"{cell}: a training step made the weights non-finite")
+        if s["cell"] != "bf16" and abs(s["loss"] - s["ref_loss"]) > 1e-4 * max(1.0, abs(s["ref_loss"])):
+            failures.append(f"{cell}: loss {s['loss']} vs reference {s['ref_loss']}")
+        if s["stock_loss"] is not None and s["loss"] != s["stock_loss"]:
+            failures.append(f"{cell}: loss {s['loss']} vs stock accelerate {s['stock_loss']} (must be equal)")
+    assert not failures, "\n".join(failures)
+    if family == "llama_tied":  # the common case: stock accelerate runs every cell but size_based_wrap
+        assert {s["cell"] for s in summaries if s["stock_error"]} == {"size_based_wrap"}, summaries
+
+
+def test_tensor_subclass_parameters_are_refused_on_every_rank_before_anything_moves(checkpoints):
+    model_dir, _ = checkpoints["llama_tied"]
+    out = run_on_ranks(w.prepare_with_tensor_subclass, 2, timeout=180, init_process_group=False, model_dir=model_dir)
+    for rank, r in enumerate(out):
+        assert r["error"] and r["error"].startswith("CheckpointError"), (rank, r)
+        assert "tensor subclass" in r["error"] and "QuantizedParam" in r["error"] and "model.layers.0.mlp.up_proj.weight" in r["error"]
+        assert r["unchanged"], f"rank {rank} modified the model before refusing"

@@ -1,0 +1,122 @@
+"""Workers for tests/distributed/test_rank0_truth.py: rank 0 edits its model in place after loading it,
+then ``prepare`` runs with the plugin. Module level so that spawn can pickle them."""
+
+from __future__ import annotations
+
+import mmap
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.distributed.workers_prepare import _accelerator, _describe
+
+PAGE = mmap.PAGESIZE
+#: The edits rank 0 makes, by kind: the whole tensor set to 1 (the measured bug), three elements in the
+#: middle of a large tensor, and a whole small tensor that does not start on a page boundary.
+EDITS = {
+    "whole": "lm_head.weight",
+    "middle": "model.layers.0.mlp.gate_proj.weight",
+    "unaligned": "model.layers.1.input_layernorm.weight",
+}
+
+
+def _edit(model: nn.Module, kind: str, name: str) -> tuple[int, int]:
+    """Edits ``name`` in place (same storage, same address); returns the element range written."""
+    w = model.get_parameter(name).detach()
+    flat = w.view(-1)
+    if kind == "whole":
+        w.mul_(0).add_(1)
+        return 0, flat.numel()
+    if kind == "middle":
+        mid = flat.numel() // 2
+        flat[mid : mid + 3] = torch.tensor([7.0, -7.0, 0.5])
+        return mid, mid + 3
+    w.mul_(2).add_(0.25)
+    return 0, flat.numel()
+
+
+def _expected_from_file(model_dir: str, written: dict[str, tuple[int, int]]) -> set[str]:
+    """Names whose pages hold no written byte, from the checkpoint's byte offsets alone (transformers maps
+    the file from offset 0 at a page boundary, so file offset ``o`` lies on page ``o // PAGE``)."""
+    from accelerate_memsafe.io.safetensors_source import SafetensorsSource
+
+    entries = SafetensorsSource(model_dir).entries
+    dirty: set[int] = set()
+    for name, (lo, hi) in written.items():
+        e = entries[name]
+        size = e.dtype.itemsize
+        dirty.update(range((e.offset + lo * size) // PAGE, (e.offset + hi * size - 1) // PAGE + 1))
+    return {n for n, e in entries.items() if not dirty & set(range(e.offset // PAGE, (e.offset + e.nbytes - 1) // PAGE + 1))}
+
+
+def prepare_edited(rank: int, world_size: int, *, model_dir: str, edits: tuple[str, ...] = (), inv_freq_scale: float | None = None) -> dict[str, Any]:
+    """Rank 0 loads with ``accelerate_memsafe.from_pretrained``, applies ``edits`` (keys of :data:`EDITS`)
+    and optionally scales its rotary ``inv_freq`` in place; then ``prepare``. Returns every parameter's
+    full value as every rank sees it, the buffers, the report, and (rank 0) what it expects."""
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+
+    acc, plugin = _accelerator({})
+    model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        written = {}
+        with torch.no_grad():
+            for kind in edits:
+                written[EDITS[kind]] = _edit(model, kind, EDITS[kind])
+            if inv_freq_scale is not None:
+                model.model.rotary_emb.inv_freq.mul_(inv_freq_scale)
+        out["expected"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["expected_buffers"] = {n: b.detach().clone() for n, b in model.named_buffers()}
+        out["expected_from_file"] = sorted(_expected_from_file(model_dir, written))
+        out["page_offsets"] = {n: model.get_parameter(n).data_ptr() % PAGE for n in written}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    out.update(_describe(model))
+    # the full tensors, gathered on every rank (a collective: every rank calls it in the same order)
+    out["full"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    out["report"] = plugin.report.to_dict(timeline=False)
+    return out
+
+
+class RankDependentRecipe(nn.Module):
+    """A parameter-free module whose ``reset_parameters`` gives a different value on each rank: rank 0's
+    run reproduces rank 0's buffer, so the plan says "recipe", and rank 1's recomputed value differs."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.empty(dim), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        with torch.no_grad():
+            self.freq.copy_(torch.arange(self.freq.numel(), dtype=torch.float32) + 100 * rank)
+
+    def forward(self, x):
+        return x * self.freq
+
+
+class RankDependentModel(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(dim, dim)
+        self.freq = RankDependentRecipe(dim)
+
+    def forward(self, x):
+        return self.freq(self.lin(x))
+
+
+def prepare_rank_dependent(rank: int, world_size: int) -> dict[str, Any]:
+    """``prepare`` a model whose buffer recipe depends on the rank (after the Accelerator exists, so the
+    recipe already sees its rank when the model is built)."""
+    acc, plugin = _accelerator({})
+    model = RankDependentModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = acc.prepare(model, opt)
+    return {"freq": model.freq.freq.detach().clone(), "report": plugin.report.to_dict(timeline=False)}

@@ -1,0 +1,104 @@
+"""``GroupFilter``: which modules of one ``fully_shard`` call may form an FSDP2 group (ties kept in one
+group, containers without forward skipped, nothing grouped twice), and the ``cpu_offload=True`` fix."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from accelerate_memsafe.distributed.sharding import GroupFilter, resolve_wrap_policy
+
+
+class Head(nn.Module):
+    """A BERT-style prediction head: the decoder's bias is the head's own ``bias`` (a tied bias)."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(emb.num_embeddings))
+        self.decoder = nn.Linear(emb.embedding_dim, emb.num_embeddings)
+        self.decoder.weight = emb.weight
+        self.decoder.bias = self.bias
+
+    def forward(self, x):
+        return self.decoder(x)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = Head(self.emb)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_a_group_that_would_split_a_tie_is_dropped():
+    m = Model()
+    f = GroupFilter(m)
+    assert f.select([m.head.decoder]) == []  # its bias is the head's, its weight the embedding's
+    assert f.select([m.emb]) == []  # its weight is the decoder's
+    assert f.select([m.head]) == []  # the head still shares the embedding weight
+    assert f.select([m.emb, m.head]) == [m.emb, m.head]  # every user of both ties: one group
+    assert f.select([m.emb, m.head.decoder]) == []  # the head's bias is still outside
+
+
+def test_containers_without_forward_are_skipped_and_their_children_kept():
+    m = Model()
+    f = GroupFilter(m)
+    assert f.select([m.layers]) == []
+    assert f.select([m.layers[0]]) == [m.layers[0]]
+
+
+def test_modules_whose_parameters_a_group_already_manages_are_dropped():
+    m = Model()
+    f = GroupFilter(m)
+    f.formed([m.layers[0]])
+    assert f.select([m.layers[0]]) == []
+    assert f.select([m.layers[1]]) == [m.layers[1]]
+
+
+def test_transformer_wrap_policy_is_resolved_against_the_unwrapped_model():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    resolve_wrap_policy(plugin, model)
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    # a second resolution (accelerate's own, after fully_shard renamed the classes) is a no-op
+    type(model.model.layers[0]).__name__ = "FSDPLlamaDecoderLayer"
+    try:
+        plugin.set_auto_wrap_policy(model)
+    finally:
+        type(model.model.layers[0]).__name__ = "LlamaDecoderLayer"
+
+
+def test_cpu_offload_true_is_unpinned_for_cpu_fsdp2():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from accelerate_memsafe.accelerator import unpin_cpu_offload
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True)
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) and plugin.cpu_offload.pin_memory
+    assert unpin_cpu_offload(plugin) is True
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) and not plugin.cpu_offload.pin_memory
+    assert unpin_cpu_offload(plugin) is False
+
+
+def test_tensor_subclass_parameters_are_named():
+    from accelerate_memsafe.distributed.meta import tensor_subclass_parameters
+
+    class Quantized(nn.Parameter):
+        pass
+
+    lin = nn.Linear(2, 2)
+    assert tensor_subclass_parameters(lin) == []
+    lin.weight = Quantized(torch.zeros(2, 2))
+    assert tensor_subclass_parameters(lin) == ["weight (Quantized)"]

@@ -1,0 +1,111 @@
+"""``unmodified_file_pages``: which tensors in a private (copy-on-write) file mapping still hold the file's
+bytes, read from ``/proc/self/pagemap``; and ``checkpoint_source_names`` re-reading only those."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+import pytest
+import torch
+
+from accelerate_memsafe.io import mapped_pages
+from accelerate_memsafe.io.mapped_pages import unmodified_file_pages
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagemap is Linux only")
+
+PAGE = mmap.PAGESIZE
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+@pytest.fixture
+def mapped(tmp_path):
+    """A 64-page file mapped MAP_PRIVATE read-write (as safetensors/transformers map a checkpoint), viewed
+    as float32; the mapping is closed after the test."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(torch.arange(64 * PAGE // 4, dtype=torch.float32).numpy().tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    flat = torch.frombuffer(mm, dtype=torch.float32)
+    yield flat
+    del flat
+    mm.close()
+
+
+def test_clean_mapping_qualifies_untouched_and_after_reads(mapped):
+    per_page = PAGE // 4
+    a, b = mapped[: 8 * per_page], mapped[8 * per_page : 40 * per_page]
+    assert unmodified_file_pages([_span(a), _span(b)]) == [True, True], "never touched: not present"
+    assert float(a.sum()) > 0 and float(b.sum()) > 0  # faults the pages in, read-only
+    assert unmodified_file_pages([_span(a), _span(b)]) == [True, True], "present clean file pages"
+
+
+def test_a_write_disqualifies_the_tensor_and_its_page_neighbours(mapped):
+    per_page = PAGE // 4
+    big = mapped[4 * per_page : 36 * per_page]  # 32 pages
+    left = mapped[1 * per_page + 7 : 4 * per_page + 5]  # not page-aligned; shares big's first page
+    far = mapped[40 * per_page : 48 * per_page]
+    _ = float(mapped.sum())
+    big[16 * per_page + 3] = -1.0  # one element in the middle of a large tensor
+    assert unmodified_file_pages([_span(big), _span(left), _span(far)]) == [False, True, True]
+    big[1] = -2.0  # on the page big shares with left's last partial page
+    assert unmodified_file_pages([_span(big), _span(left), _span(far)]) == [False, False, True]
+
+
+def test_a_write_is_seen_on_pages_never_read_before(mapped):
+    mapped[10 * (PAGE // 4)] = 5.0  # first access is the write: the page is copied, never a file page
+    assert unmodified_file_pages([_span(mapped)]) == [False]
+
+
+def test_anonymous_memory_never_qualifies():
+    touched = torch.ones(16 * PAGE // 4)
+    untouched = torch.empty(1 << 24, dtype=torch.uint8)  # a fresh anonymous mmap: pages not present
+    assert unmodified_file_pages([_span(touched), _span(untouched)]) == [False, False]
+    assert unmodified_file_pages([]) == []
+
+
+def test_unreadable_pagemap_means_nothing_qualifies(mapped, monkeypatch):
+    monkeypatch.setattr(mapped_pages, "_PAGEMAP", "/nonexistent/pagemap")
+    mapped_pages._pagemap_reports_private_writes.cache_clear()
+    try:
+        assert unmodified_file_pages([_span(mapped)]) == [False]
+    finally:
+        monkeypatch.undo()
+        mapped_pages._pagemap_reports_private_writes.cache_clear()
+    assert unmodified_file_pages([_span(mapped)]) == [True]
+
+
+def test_a_pagemap_that_shows_no_writes_is_not_trusted(mapped, monkeypatch):
+    # a sandbox kernel answering all-zero entries would make every written page look "not present"
+    monkeypatch.setattr(mapped_pages, "_pagemap_entries", lambda first, last: torch.zeros(last - first, dtype=torch.int64))
+    mapped_pages._pagemap_reports_private_writes.cache_clear()
+    try:
+        mapped[0] = 1.0
+        assert unmodified_file_pages([_span(mapped)]) == [False]
+    finally:
+        monkeypatch.undo()
+        mapped_pages._pagemap_reports_private_writes.cache_clear()
+
+
+def test_checkpoint_source_names_skips_tensors_written_in_place(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from accelerate_memsafe.distributed.meta import checkpoint_source_names
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    originals = {n: p.detach() for n, p in model.named_parameters()}
+    source, names = checkpoint_source_names(originals, os.fspath(tiny_llama_dir))
+    assert names == set(originals), "an untouched zero-copy load is read from the file"
+    source.close()
+    edited = "model.layers.1.mlp.down_proj.weight"
+    with torch.no_grad():
+        w = model.get_parameter(edited)
+        w.view(-1)[w.numel() // 2] += 1.0  # same address, one element changed
+    source, names = checkpoint_source_names(originals, os.fspath(tiny_llama_dir))
+    assert edited not in names, "an in-place edit on rank 0 must be read from memory, not the file"
+    assert len(names) >= len(originals) - 3, "only the edited tensor and its page neighbours are dropped"
+    source.close()
