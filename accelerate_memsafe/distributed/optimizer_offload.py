@@ -8,6 +8,10 @@ device holds no optimizer state. The price is two host<->device copies of the st
 CPU instead would avoid them but run the update on slow CPU kernels and need the gradients and a CPU copy
 of the parameters. With DTensor state (FSDP2) the local tensors move; the DTensor wrapper is rebuilt.
 On a machine without an accelerator the parameters are on CPU and the hooks move nothing.
+
+``step`` is the exception: it stays where torch's optimizers want it (see :func:`state_tensor_device`),
+on the parameter's device for ``capturable=True`` / ``fused=True`` and on CPU otherwise, both between
+steps and during them.
 """
 
 from __future__ import annotations
@@ -51,6 +55,52 @@ def _moved(t: torch.Tensor, device: torch.device, *, pin: bool = False, into: to
     return t.to(device, non_blocking=True)
 
 
+def step_device(group: dict[str, Any], param_device: torch.device) -> torch.device:
+    """Where torch keeps ``state["step"]`` of a parameter in ``group``.
+
+    torch's Adam/AdamW (``_init_group``) create it on the parameter's device when the group is
+    ``capturable`` or ``fused`` (their kernels read it there, and check that they do) and on CPU otherwise
+    (the Python loop reads it as a number); ``Optimizer.load_state_dict`` applies the same rule.
+
+    Example:
+        >>> step_device({"fused": True}, torch.device("cuda", 1))
+        device(type='cuda', index=1)
+        >>> step_device({"capturable": False, "fused": None}, torch.device("cuda", 1))
+        device(type='cpu')
+    """
+    if group.get("capturable") or group.get("fused"):
+        return torch.device(param_device)
+    return torch.device("cpu")
+
+
+def state_tensor_device(key: str, value: torch.Tensor, group: dict[str, Any], param_device: torch.device, *,
+                        offloaded: bool) -> torch.device:
+    """Where a state tensor of a parameter belongs: a scalar ``step`` where :func:`step_device` puts it,
+    anything else on CPU while ``offloaded`` and on the parameter's device otherwise.
+
+    Example:
+        >>> g = {"capturable": True}; dev = torch.device("cuda")
+        >>> state_tensor_device("step", torch.zeros(()), g, dev, offloaded=True)
+        device(type='cuda')
+        >>> state_tensor_device("exp_avg", torch.zeros(4), g, dev, offloaded=True)
+        device(type='cpu')
+    """
+    if key == "step" and value.dim() == 0:
+        return step_device(group, param_device)
+    return torch.device("cpu") if offloaded else torch.device(param_device)
+
+
+def _placements(optimizer: torch.optim.Optimizer):
+    """``(parameter, its state dict, key, value, group, parameter's local device)`` for every state tensor."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for p, st in optimizer.state.items():
+        group = groups.get(id(p), {})
+        local = p.to_local() if _is_dtensor(p) else p
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor):
+                yield p, st, k, v, group, local.device
+
+
 def state_bytes(optimizer: torch.optim.Optimizer, device_type: str | None = None) -> int:
     """Bytes of the optimizer's state tensors (local shards for DTensors), optionally only on ``device_type``.
 
@@ -70,8 +120,8 @@ def state_bytes(optimizer: torch.optim.Optimizer, device_type: str | None = None
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device, *, pin: bool = False) -> int:
-    """Moves every state tensor (DTensor local tensors included) to ``device``; scalar ``step`` tensors of
-    non-capturable optimizers stay where they are. Returns the bytes moved.
+    """Moves every state tensor (DTensor local tensors included) to ``device``, except scalar ``step``
+    tensors, which go where :func:`step_device` puts them. Returns the bytes moved.
 
     Example:
         >>> p = torch.nn.Parameter(torch.zeros(4)); opt = torch.optim.Adam([p])
@@ -80,14 +130,12 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.d
     """
     device = torch.device(device)
     moved = 0
-    for st in optimizer.state.values():
-        for k, v in list(st.items()):
-            if not isinstance(v, torch.Tensor) or (k == "step" and v.dim() == 0 and v.device.type == "cpu"):
-                continue
-            loc = v.to_local() if _is_dtensor(v) else v
-            if loc.device != device:
-                st[k] = _moved(v, device, pin=pin)
-                moved += loc.numel() * loc.element_size()
+    for _p, st, k, v, group, param_device in _placements(optimizer):
+        target = step_device(group, param_device) if (k == "step" and v.dim() == 0) else device
+        loc = v.to_local() if _is_dtensor(v) else v
+        if loc.device != target:
+            st[k] = _moved(v, target, pin=pin and target.type == "cpu")
+            moved += loc.numel() * loc.element_size()
     return moved
 
 
@@ -125,6 +173,11 @@ class OptimizerOffload:
         self.offload()
         return self
 
+    @staticmethod
+    def installed(optimizer: torch.optim.Optimizer) -> OptimizerOffload | None:
+        """The offload installed on ``optimizer`` by :meth:`install`, if any."""
+        return getattr(optimizer, _ATTR, None)
+
     def remove(self) -> None:
         """Removes the hooks (the state stays where it is)."""
         for h in self._handles:
@@ -143,20 +196,21 @@ class OptimizerOffload:
         if not self.active:
             return move_optimizer_state(self.optimizer, "cpu")
         moved = 0
-        for p, st in self.optimizer.state.items():
-            for k, v in list(st.items()):
-                if not isinstance(v, torch.Tensor):
-                    continue
-                loc = v.to_local() if _is_dtensor(v) else v
-                if loc.device.type == "cpu":
-                    continue
-                key = (id(p), k)
-                buf = self._cpu.get(key)
-                if buf is not None and (buf.to_local() if _is_dtensor(buf) else buf).shape != loc.shape:
-                    buf = None
-                st[k] = _moved(v, torch.device("cpu"), pin=self.pin, into=buf)
-                self._cpu[key] = st[k]
-                moved += loc.numel() * loc.element_size()
+        for p, st, k, v, group, param_device in _placements(self.optimizer):
+            loc = v.to_local() if _is_dtensor(v) else v
+            target = state_tensor_device(k, v, group, param_device, offloaded=True)
+            if loc.device == target:
+                continue
+            if target.type != "cpu":  # a capturable/fused `step` that an earlier load put on CPU
+                st[k] = _moved(v, target)
+                continue
+            key = (id(p), k)
+            buf = self._cpu.get(key)
+            if buf is not None and (buf.to_local() if _is_dtensor(buf) else buf).shape != loc.shape:
+                buf = None
+            st[k] = _moved(v, torch.device("cpu"), pin=self.pin, into=buf)
+            self._cpu[key] = st[k]
+            moved += loc.numel() * loc.element_size()
         if self.pin and moved:
             torch.cuda.current_stream(self.device).synchronize()  # the CPU copies must be complete
         return moved

@@ -15,6 +15,15 @@ The destination of each state tensor is the optimizer's existing state tensor wh
 dtype and device (read in place: an optimizer that already has state costs no new memory), else a new
 tensor on CPU (``offload=True``, pinned when CUDA is present) or on the parameter's device. Nothing is
 modified before every file and shape has been checked (:func:`plan_optimizer_load`).
+
+Tensor-valued hyper-parameters (``lr=torch.tensor(1e-3)``, ``betas`` of tensors) are read from the file as
+well and put on the device of the optimizer's current value (CPU where it has none), as saved.
+
+The loaded state is installed the way ``torch.optim.Optimizer.load_state_dict`` installs it, minus its
+cast to the parameter's device, unless the optimizer customises loading (a subclass overriding
+``load_state_dict``, or ``register_load_state_dict_pre_hook`` / ``post_hook`` hooks, see
+:func:`custom_load_reasons`): then its own ``load_state_dict`` is called with a state dict whose tensors
+are the already-read ones, so the hooks and the override run as they would with a stock load.
 """
 
 from __future__ import annotations
@@ -129,6 +138,8 @@ class OptimizerLoadPlan:
     names: dict[int, str] = field(default_factory=dict)
     structure: Any = None
     pin: bool = False
+    #: ``(group index, key, position in a tuple/list or None, saved meta tensor, destination device)``
+    group_tensors: list[tuple[int, str, int | None, torch.Tensor, torch.device]] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
@@ -165,12 +176,77 @@ def _target_spec(optimizer, group, param, key, saved, *, offload: bool) -> tuple
     scalar = len(_shape(saved)) == 0
     # torch's Optimizer.load_state_dict casts state to the parameter's dtype, except `step`.
     dtype = param.dtype if (key != "step" and saved_dtype.is_floating_point and param.is_floating_point()) else saved_dtype
-    on_param_device = not scalar or group.get("capturable") or group.get("fused")
-    if offload or not on_param_device:
-        device = torch.device("cpu")
-    else:
-        device = _local(param).device
-    return dtype, device
+    on_device_kernel = group.get("capturable") or group.get("fused")
+    if key == "step" and scalar and on_device_kernel:
+        # capturable / fused kernels read `step` on the parameter's device, offloaded or not (torch's
+        # `_process_value_according_to_param_policy` puts it there too)
+        return dtype, _local(param).device
+    if offload or (scalar and not on_device_kernel):
+        return dtype, torch.device("cpu")
+    return dtype, _local(param).device
+
+
+def custom_load_reasons(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Why ``optimizer``'s own ``load_state_dict`` must run for a load to be faithful (empty: it need not).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.zeros(2)); opt = torch.optim.SGD([p], lr=0.1)
+        >>> custom_load_reasons(opt)
+        []
+        >>> _ = opt.register_load_state_dict_post_hook(lambda o: None)
+        >>> custom_load_reasons(opt)
+        ['1 `register_load_state_dict_post_hook` hook(s)']
+    """
+    reasons = []
+    if "load_state_dict" in vars(optimizer):
+        reasons.append("`load_state_dict` replaced on the instance")
+    elif type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        reasons.append(f"`{type(optimizer).__qualname__}.load_state_dict` overrides torch's")
+    for kind in ("pre", "post"):
+        hooks = getattr(optimizer, f"_optimizer_load_state_dict_{kind}_hooks", None) or {}
+        if hooks:
+            reasons.append(f"{len(hooks)} `register_load_state_dict_{kind}_hook` hook(s)")
+    return reasons
+
+
+def _hyper_tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
+    """The tensors of a param-group entry: the value itself, or the items of a tuple/list (``betas``)."""
+    if isinstance(value, torch.Tensor):
+        return [(None, value)]
+    if isinstance(value, (tuple, list)):
+        return [(i, v) for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _check_in_file(path: Path, size: int, what: str, saved: torch.Tensor) -> None:
+    offset = _compat.checkpoint_file_offset(saved)
+    if offset is not None:
+        end = offset + saved.untyped_storage().nbytes()
+        if end > size:
+            raise CheckpointError(
+                f"optimizer file {path} is truncated: `{what}` ends at byte {end}, the file has {size} bytes. "
+                "Nothing was loaded."
+            )
+
+
+def _plan_group_tensors(plan: OptimizerLoadPlan, size: int) -> None:
+    """Records every tensor hyper-parameter of the saved groups (read in :func:`execute_optimizer_load`).
+
+    Its destination is the device of the optimizer's current value of that entry (for a tensor ``lr`` or
+    ``betas`` that is where the user, and torch's fused/capturable checks, put it), else CPU, which is
+    where accelerate's own load (``map_location="cpu"``) leaves it.
+    """
+    for gi, (live, saved) in enumerate(zip(plan.optimizer.param_groups, plan.saved_groups)):
+        for key, value in saved.items():
+            if key in ("params", "param_names"):
+                continue
+            current = live.get(key)
+            for pos, t in _hyper_tensors(value):
+                _check_in_file(plan.source, size, f"param_groups.{gi}.{key}", t)
+                now = current if pos is None else (
+                    current[pos] if isinstance(current, (tuple, list)) and pos < len(current) else None)
+                device = now.device if isinstance(now, torch.Tensor) and now.device.type != "meta" else torch.device("cpu")
+                plan.group_tensors.append((gi, key, pos, t, device))
 
 
 def _check_shape(source: Path, fqn: str, key: str, saved_shape: tuple[int, ...], param: torch.Tensor) -> None:
@@ -266,18 +342,12 @@ def plan_optimizer_load(
                     if not isinstance(saved, torch.Tensor):
                         continue  # non-tensor state is kept from the structure (see execute)
                     _check_shape(path, str(pid), key, tuple(saved.shape), param)
-                    offset = _compat.checkpoint_file_offset(saved)
-                    if offset is not None:
-                        end = offset + saved.untyped_storage().nbytes()
-                        if end > size:
-                            raise CheckpointError(
-                                f"optimizer file {path} is truncated: state `{pid}.{key}` ends at byte {end}, "
-                                f"the file has {size} bytes. Nothing was loaded."
-                            )
+                    _check_in_file(path, size, f"state.{pid}.{key}", saved)
                     rows = _shard_rows(param) if _is_dtensor(param) and saved.dim() else None
                     dtype, device = _target_spec(optimizer, group, param, key, saved, offload=offload)
                     existing = optimizer.state.get(param, {}).get(key)
                     plan.items.append(_Item(param, key, saved, dtype, device, _reusable(existing, param, saved, dtype, device), rows))
+        _plan_group_tensors(plan, size)
         plan.structure = structure
     elif kind == "dcp":
         plan_dcp(plan, offload=offload)
@@ -412,13 +482,14 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
         rank: This process's rank (bars are shown on rank 0 only).
 
     Returns:
-        ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors"}``.
+        ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors", "load_state_dict_calls"}``; the last is 1
+        when the optimizer's own ``load_state_dict`` was called (:func:`custom_load_reasons`).
 
     Example:
         >>> # execute_optimizer_load(plan_optimizer_load(opt, source))
     """
     optimizer = plan.optimizer
-    figures = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": len(plan.items)}
+    figures = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": len(plan.items), "load_state_dict_calls": 0}
     targets: list[torch.Tensor] = []
     for item in plan.items:
         t = item.existing if item.existing is not None else _new_tensor(item, plan.pin)
@@ -434,6 +505,10 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
                 n = reader.read_into(item.saved, _local(t), item.rows)
                 figures["bytes_read"] += n
                 bar.update(n)
+            for gi, key, pos, saved, device in plan.group_tensors:
+                value = torch.empty(saved.shape, dtype=saved.dtype)
+                figures["bytes_read"] += reader.read_into(saved, value, None)
+                _set_group_value(plan.saved_groups[gi], key, pos, value.to(device))
         finally:
             bar.close()
             reader.close()
@@ -452,18 +527,54 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
             for key, value in saved_state.get(ids_by_param.get(id(p)), {}).items():
                 if not isinstance(value, torch.Tensor):
                     state[p][key] = value
-    groups = []
-    for group, saved in zip(optimizer.param_groups, plan.saved_groups):
-        new = {**saved, "params": group["params"]}
-        if "param_names" in group and "param_names" not in new:
-            new["param_names"] = group["param_names"]
-        groups.append(new)
-    # What torch's load_state_dict does after casting; we skip its cast, which would copy every state
-    # tensor to the parameter's device (the stale-device-copy bug this stage exists to avoid).
-    optimizer.__setstate__({"state": state, "param_groups": groups})
+    if custom_load_reasons(optimizer):
+        _load_through_optimizer(plan, state, ids_by_param)
+        figures["load_state_dict_calls"] = 1
+    else:
+        groups = []
+        for group, saved in zip(optimizer.param_groups, plan.saved_groups):
+            new = {**saved, "params": group["params"]}
+            if "param_names" in group and "param_names" not in new:
+                new["param_names"] = group["param_names"]
+            groups.append(new)
+        # What torch's load_state_dict does after casting; we skip its cast, which would copy every state
+        # tensor to the parameter's device (the stale-device-copy bug this stage exists to avoid).
+        optimizer.__setstate__({"state": state, "param_groups": groups})
     plan.items.clear()
+    plan.group_tensors.clear()
     plan.structure = None
     return figures
+
+
+def _set_group_value(group: dict[str, Any], key: str, pos: int | None, value: torch.Tensor) -> None:
+    if pos is None:
+        group[key] = value
+    else:
+        seq = list(group[key])
+        seq[pos] = value
+        group[key] = type(group[key])(seq)
+
+
+def _load_through_optimizer(plan: OptimizerLoadPlan, state: Mapping[torch.Tensor, dict[str, Any]],
+                            ids_by_param: Mapping[int, Any]) -> None:
+    """Calls the optimizer's own ``load_state_dict`` (its override and load hooks run) with a state dict
+    whose tensors are the ones already read. torch's cast keeps a tensor that already has the parameter's
+    dtype and device, so on the parameters' device nothing is copied; state read to CPU for an accelerator
+    parameter is copied there by torch, as a stock load would (the caller re-offloads it)."""
+    optimizer = plan.optimizer
+    sd_state: dict[Any, dict[str, Any]] = {}
+    sd_groups = []
+    n = 0
+    for group, saved in zip(optimizer.param_groups, plan.saved_groups):
+        ids = []
+        for p in group["params"]:
+            pid = ids_by_param.get(id(p), n)  # saved ids for a torch file; torch's numbering otherwise
+            n += 1
+            ids.append(pid)
+            if p in state:
+                sd_state[pid] = state[p]
+        sd_groups.append({**saved, "params": ids})
+    optimizer.load_state_dict({"state": sd_state, "param_groups": sd_groups})
 
 
 def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:

@@ -1,4 +1,17 @@
-"""The probe that wraps every stage run: wall time, CPU RSS/RssAnon peaks, device peaks, live tensors."""
+"""The probe that wraps every stage run: wall time, CPU RSS/RssAnon peaks, device peaks, live tensors.
+
+The device peak is measured without touching the allocator's peak statistics: the user's own
+``torch.cuda.max_memory_allocated()`` (which ``transformers.Trainer`` logs) must not be lowered by a
+``reset_peak_memory_stats()`` around every stage. A region's device peak is therefore the largest of
+
+- ``memory_allocated()`` at the start and at the end,
+- ``memory_allocated()`` as sampled by the probe's thread (every :data:`SAMPLE_INTERVAL_S`), and
+- the allocator's ``max_memory_allocated()`` at the end, *if* it rose during the region (a new high-water
+  mark was set inside the region, so it is the region's exact peak).
+
+When the region stayed below an earlier high-water mark, a transient peak shorter than the sampling
+interval can be missed; the figure is then a lower bound.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +54,30 @@ class ProbeResult:
     timeline: list[Sample] = field(default_factory=list)
 
 
+def _device_index(mod, device: torch.device) -> torch.device:
+    """``device`` with an explicit index: the sampling thread does not share the caller's current device."""
+    if device.index is not None or not hasattr(mod, "current_device"):
+        return device
+    try:
+        return torch.device(device.type, mod.current_device())
+    except Exception:  # pragma: no cover - backends without a notion of current device
+        return device
+
+
+def _allocated(mod, device: torch.device) -> int:
+    try:
+        return int(mod.memory_allocated(device))
+    except TypeError:  # pragma: no cover - backends whose memory_allocated takes no device
+        return int(mod.memory_allocated())
+
+
+def _max_allocated(mod, device: torch.device) -> int:
+    try:
+        return int(mod.max_memory_allocated(device))
+    except TypeError:  # pragma: no cover
+        return int(mod.max_memory_allocated())
+
+
 def _device_module(device: torch.device | None):
     if device is None or device.type in ("cpu", "meta"):
         return None
@@ -74,11 +111,15 @@ class MemoryProbe:
         self._samples: list[Sample] = []
         self._thread: threading.Thread | None = None
         self._tracker: LiveTensorTracker | None = None
+        self._dev = None
+        self._dev_sampled_peak = 0
 
     def _sample(self) -> None:
         mem = read_proc_memory()
         if mem is not None:
             self._samples.append(Sample(time.perf_counter() - self.origin, mem.rss, mem.anon))
+        if self._dev is not None:
+            self._dev_sampled_peak = max(self._dev_sampled_peak, _allocated(self._dev, self._dev_device))
 
     def _run_sampler(self) -> None:
         while not self._stop.wait(SAMPLE_INTERVAL_S):
@@ -87,12 +128,14 @@ class MemoryProbe:
     def __enter__(self) -> MemoryProbe:
         self._hwm_reset = reset_peak_rss()
         self._start_mem = read_proc_memory()
-        self._sample()
         self._dev = _device_module(self.device)
         if self._dev is not None:
+            self._dev_device = _device_index(self._dev, self.device)
             self._dev.synchronize()
-            self._dev_start = self._dev.memory_allocated()
-            self._dev.reset_peak_memory_stats()
+            self._dev_start = _allocated(self._dev, self._dev_device)
+            self._dev_max_start = _max_allocated(self._dev, self._dev_device)
+            self._dev_sampled_peak = self._dev_start
+        self._sample()
         self._thread = threading.Thread(target=self._run_sampler, name="memsafe-probe", daemon=True)
         self._thread.start()
         if self.track_tensors:
@@ -120,8 +163,12 @@ class MemoryProbe:
         dev_peak = dev_delta = None
         if self._dev is not None:
             self._dev.synchronize()
-            dev_peak = self._dev.max_memory_allocated()
-            dev_delta = self._dev.memory_allocated() - self._dev_start
+            dev_end = _allocated(self._dev, self._dev_device)
+            dev_peak = max(self._dev_sampled_peak, dev_end)
+            dev_max = _max_allocated(self._dev, self._dev_device)
+            if dev_max > self._dev_max_start:  # a new high-water mark was set inside the region
+                dev_peak = max(dev_peak, dev_max)
+            dev_delta = dev_end - self._dev_start
         self.result = ProbeResult(
             wall_s=wall,
             cpu_rss_start_bytes=start.rss if start else None,

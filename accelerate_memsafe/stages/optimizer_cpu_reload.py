@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..distributed.optimizer_offload import reclaim_device_memory
-from ..io.optimizer_state import execute_optimizer_load, optimizer_source, plan_optimizer_load
+from ..distributed.optimizer_offload import OptimizerOffload, move_optimizer_state, reclaim_device_memory
+from ..io.optimizer_state import custom_load_reasons, execute_optimizer_load, optimizer_source, plan_optimizer_load
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 
@@ -20,6 +20,12 @@ class OptimizerCpuReloadStage(Stage):
     the optimizer's existing state tensor in place, or into a new CPU tensor (``optimizer_offload``) or
     device tensor; nothing else holds the loaded data, so ``gc.collect()`` plus emptying the device cache
     reclaim everything a stock load would leave behind.
+
+    An optimizer that customises loading (its class overrides ``load_state_dict``, or load-state-dict
+    pre/post hooks are registered) gets its own ``load_state_dict`` called with the tensors already read,
+    so the override and hooks run as with a stock load; the report's ``custom_load_state_dict`` says which
+    optimizers and why. torch then puts the state on the parameters' device; with ``optimizer_offload``
+    it is moved back to CPU right after.
     """
 
     name = "optimizer_cpu_reload"
@@ -54,10 +60,22 @@ class OptimizerCpuReloadStage(Stage):
 
     def after(self, ctx: HookContext) -> StageOutcome:
         plans = ctx.scratch.pop("optimizer_plans")
-        totals = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": 0}
-        for plan in plans:
+        totals = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": 0, "load_state_dict_calls": 0}
+        custom = {}
+        for i, plan in enumerate(plans):
+            optimizer = plan.optimizer
+            reasons = custom_load_reasons(optimizer)
+            if reasons:
+                custom[f"optimizer {i} ({type(optimizer).__name__})"] = "; ".join(reasons)
             for k, v in execute_optimizer_load(plan, progress=self.options.progress, rank=ctx.rank).items():
                 totals[k] += v
+            if reasons and ctx.options.optimizer_offload:
+                offload = OptimizerOffload.installed(optimizer)
+                if offload is not None:
+                    offload.offload()
+                else:
+                    move_optimizer_state(optimizer, "cpu")
         del plans
         reclaimed = reclaim_device_memory(ctx.device)
-        return ran(**totals, reclaimed_device_bytes=reclaimed["reclaimed_bytes"])
+        extra = {"custom_load_state_dict": custom} if custom else {}
+        return ran(**totals, reclaimed_device_bytes=reclaimed["reclaimed_bytes"], **extra)

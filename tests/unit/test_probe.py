@@ -44,3 +44,67 @@ def test_probe_reports_rss_and_anon():
     assert r.live_tensor_peak_bytes >= 32 * 2**20
     assert r.device_peak_bytes is None and r.device_delta_bytes is None
     del x
+
+
+class _FakeCuda:
+    """Stands in for ``torch.cuda``'s allocator statistics: ``allocated`` is the live figure, ``peak`` the
+    allocator's high-water mark (raised with ``allocated``, lowered only by ``reset_peak_memory_stats``)."""
+
+    def __init__(self, allocated: int, peak: int):
+        self.allocated, self.peak, self.resets, self.reads = allocated, peak, 0, 0
+
+    def set(self, allocated: int) -> None:
+        self.allocated = allocated
+        self.peak = max(self.peak, allocated)
+
+    def memory_allocated(self, device=None) -> int:
+        self.reads += 1
+        return self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.resets += 1
+        self.peak = self.allocated
+
+    def wait_for_samples(self, n: int = 3) -> None:
+        import time
+
+        start, deadline = self.reads, time.monotonic() + 10
+        while self.reads < start + n and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _fake_cuda(monkeypatch, allocated: int, peak: int) -> _FakeCuda:
+    fake = _FakeCuda(allocated, peak)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for name in ("memory_allocated", "max_memory_allocated", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+def test_probe_never_resets_the_users_device_peak(monkeypatch):
+    # The user's run already peaked at 1000 bytes; the probed region goes 100 -> 500 -> 200.
+    fake = _fake_cuda(monkeypatch, allocated=100, peak=1000)
+    with MemoryProbe(torch.device("cuda"), track_tensors=False) as probe:
+        fake.set(500)
+        fake.wait_for_samples()
+        fake.set(200)
+    assert fake.resets == 0, "the probe must not call `torch.cuda.reset_peak_memory_stats()`"
+    assert torch.cuda.max_memory_allocated() == 1000, "the user's peak was lowered"
+    assert probe.result.device_peak_bytes == 500, "the region's own peak, not the user's earlier one"
+    assert probe.result.device_delta_bytes == 100
+
+
+def test_probe_reports_a_new_device_high_water_mark_exactly(monkeypatch):
+    # A transient peak too short for the sampler: it raised the allocator's high-water mark, which is exact.
+    fake = _fake_cuda(monkeypatch, allocated=100, peak=1000)
+    with MemoryProbe(torch.device("cuda", 0), track_tensors=False) as probe:
+        fake.set(1500)
+        fake.allocated = 300  # freed before any sample could see it
+    assert fake.resets == 0
+    assert probe.result.device_peak_bytes == 1500
+    assert probe.result.device_delta_bytes == 200
