@@ -65,8 +65,10 @@ def _upstream_overrides(accelerator: Any, scratch: dict) -> Iterator[None]:
 
     - ``upstream_skips_optimizers``: a stage (``optimizer_cpu_reload``) reads the optimizer state itself,
       in place and straight into CPU tensors, so accelerate's load must not read it a second time.
-    - ``upstream_skips_models``: a stage (``peft_cpu_reload``) already reloaded every prepared model in
-      place, CPU-first and tensor by tensor, so accelerate's load must not read the model files again.
+    - ``upstream_skips_models``: a stage (``peft_cpu_reload``) reloads every prepared model in place,
+      CPU-first and tensor by tensor, so accelerate's load must not read the model files again. ``_models``
+      is left as it is (the user's ``register_load_state_pre_hook`` hooks receive the same models as
+      without the plugin); a pre-hook registered last empties the list accelerate then loads from.
     - ``upstream_explicit_dir``: a stage (``atomic_checkpoint``) resolved the automatic checkpoint name
       into ``ctx.directory`` (a temporary directory); accelerate must write there, not pick its own.
     """
@@ -74,9 +76,10 @@ def _upstream_overrides(accelerator: Any, scratch: dict) -> Iterator[None]:
     config = getattr(accelerator, "project_configuration", None)
     if scratch.get("upstream_skips_optimizers"):
         saved_opts, accelerator._optimizers = accelerator._optimizers, []
-    saved_models = None
+    skip_models = None
     if scratch.get("upstream_skips_models"):
-        saved_models, accelerator._models = accelerator._models, []
+        # accelerate passes the same list to the pre-hooks and then to `load_accelerator_state`.
+        skip_models = accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
     if scratch.get("upstream_explicit_dir") and config is not None and config.automatic_checkpoint_naming:
         saved_naming, config.automatic_checkpoint_naming = True, False
     try:
@@ -84,8 +87,8 @@ def _upstream_overrides(accelerator: Any, scratch: dict) -> Iterator[None]:
     finally:
         if saved_opts is not None:
             accelerator._optimizers = saved_opts
-        if saved_models is not None:
-            accelerator._models = saved_models
+        if skip_models is not None:
+            skip_models.remove()
         if saved_naming:
             config.automatic_checkpoint_naming = True
 

@@ -9,6 +9,8 @@ from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 
 _BY_PLUGIN: dict[int, list[weakref.ref]] = {}
+# States read at `load_state` for dataloaders not prepared yet, by prepare index: (ours, accelerate's).
+_PENDING: dict[int, dict[int, tuple[dict, dict | None]]] = {}
 
 
 def _prepared_dataloaders(result) -> list:
@@ -21,6 +23,11 @@ class DataLoaderResumeStage(Stage):
     dataloader that shuffles; at ``save_state`` each process writes it (its own file); at ``load_state``,
     once accelerate restored the dataloaders, the generators are set back so that the replayed epoch has
     the order it had before the save (see :mod:`accelerate_memsafe.io.resume`).
+
+    Dataloaders are paired by their position in ``prepare`` order, as accelerate pairs its own
+    ``dl_state_dict_<i>.bin``. A checkpoint holding more dataloaders than are prepared at ``load_state``
+    keeps the rest: a dataloader prepared later at that position gets its state (accelerate's and ours)
+    when it is prepared.
     """
 
     name = "dataloader_resume"
@@ -33,8 +40,18 @@ class DataLoaderResumeStage(Stage):
         key = id(self.options)
         if key not in _BY_PLUGIN:
             _BY_PLUGIN[key] = []
+            _PENDING[key] = {}
             weakref.finalize(self.options, _BY_PLUGIN.pop, key, None)
+            weakref.finalize(self.options, _PENDING.pop, key, None)
         return _BY_PLUGIN[key]
+
+    @property
+    def _pending(self) -> dict[int, tuple[dict, dict | None]]:
+        self._dataloaders  # noqa: B018 - creates both entries
+        return _PENDING[id(self.options)]
+
+    def _by_index(self) -> dict[int, object]:
+        return {i: dl for i, ref in enumerate(self._dataloaders) if (dl := ref()) is not None}
 
     def _alive(self) -> list:
         return [dl for ref in self._dataloaders if (dl := ref()) is not None]
@@ -42,25 +59,38 @@ class DataLoaderResumeStage(Stage):
     def run(self, ctx: HookContext) -> StageOutcome:
         if ctx.hook == "prepare":
             return ran()
-        if not self._alive():
-            return skipped("no prepared dataloader")
         if ctx.directory is None:
             return skipped("no checkpoint directory")
         if ctx.hook == "load_state":
+            self._pending.clear()
             path = resume.state_file(ctx.directory, ctx.rank)
             if not path.exists():
                 return skipped(f"the checkpoint has no {path.name} (written without the plugin)")
+            return ran()
+        if not self._alive():
+            return skipped("no prepared dataloader")
         return ran()
 
     def after(self, ctx: HookContext) -> StageOutcome:
         if ctx.hook == "prepare":
             new = _prepared_dataloaders(ctx.result)
             tracked = sum(resume.track_epoch_start(dl) is not None for dl in new)
+            first = len(self._dataloaders)
             self._dataloaders.extend(weakref.ref(dl) for dl in new)
-            return ran(dataloaders=len(new), shuffling=tracked)
-        dls = self._alive()
+            late = {i: dl for i, dl in enumerate(new, start=first) if i in self._pending}
+            for i, dl in late.items():
+                _, upstream = self._pending[i]
+                if upstream is not None and getattr(dl, "use_stateful_dataloader", False):
+                    dl.load_state_dict(upstream)
+            restored = resume.apply_states({i: self._pending.pop(i)[0] for i in late}, late, source="the loaded checkpoint")
+            return ran(dataloaders=len(new), shuffling=tracked, restored=len(restored))
         if ctx.hook == "save_state":
+            dls = self._alive()
             path = resume.save_states(ctx.directory, ctx.rank, dls)
             return ran(dataloaders=len(dls), file=path.name)
-        restored = resume.load_states(ctx.directory, ctx.rank, dls)
-        return ran(dataloaders=restored)
+        states = dict(enumerate(resume.read_states(ctx.directory, ctx.rank) or []))
+        restored = resume.apply_states(states, self._by_index(), source=str(ctx.directory))
+        later = {i: (st, resume.read_upstream_dataloader_state(ctx.directory, i))
+                 for i, st in states.items() if i >= len(self._dataloaders)}
+        self._pending.update(later)
+        return ran(dataloaders=len(restored), pending=len(later))
