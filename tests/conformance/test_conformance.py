@@ -1,0 +1,79 @@
+"""Conformance of FSDP2 ``prepare`` across architecture families (GitHub issue #11).
+
+By default a reduced set runs: every setting and every family kind at least once, all families in one
+2-rank spawn (about two minutes on 2 cores). The full matrix (``python -m tests.conformance``) is marked
+``conformance`` and skipped unless ``MEMSAFE_CONFORMANCE=1`` or ``-m conformance``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import families as fam
+from . import matrix
+from .settings import BY_NAME
+
+#: family -> settings of the reduced set (whisper last: a crash costs a re-spawn of what follows it).
+REDUCED = {
+    "phi3": ("tw", "size-bf16"),
+    "llama3": ("hf-tw", "none", "ac"),
+    "qwen3_moe": ("tw-bf16",),
+    "mistral": ("tw",),
+    "bert": ("size", "hf-none"),
+    "bart": ("none-bf16",),
+    "mamba": ("hf-tw-efficient",),
+    "gpt2": ("offload",),
+    "whisper": ("tw",),
+}
+CELLS = [(f, s) for f, settings in REDUCED.items() for s in settings]
+
+pytestmark = pytest.mark.timeout(1200)  # the reduced set is ~1.5 min; a hang is cut at 60 + 30 s per cell
+
+
+@pytest.fixture(scope="module")
+def reduced(tmp_path_factory):
+    root = tmp_path_factory.mktemp("conformance")
+    families, dropped = fam.select(root, list(REDUCED))
+    assert not dropped, f"reduced-set families no longer build: {dropped}"
+    cells, _ = matrix.run([(f, list(REDUCED[f.name])) for f in families], root, pack=True, startup_s=60, cell_s=30)
+    return families, {(c.family, c.setting): c for c in cells}
+
+
+def test_reduced_set_covers_every_setting_and_kind(reduced):
+    families, _ = reduced
+    assert {s for _, s in CELLS} == set(BY_NAME)
+    missing = set(fam.REQUIRED_KINDS) - {k for f in families for k in f.kinds}
+    assert not missing, f"no family of the reduced set has kind(s) {sorted(missing)}"
+
+
+@pytest.mark.parametrize(("family", "setting"), CELLS, ids=[f"{f}-{s}" for f, s in CELLS])
+def test_reduced_cell(reduced, family, setting):
+    cell = reduced[1][(family, setting)]
+    assert cell.outcome != matrix.FAIL, f"{family} x {setting}: {cell.reason} (stock: {cell.stock})"
+
+
+def _facts(plugin_error=None, problems=(), stock_error=None):
+    def path(error, probs):
+        return {"error": error, "problems": list(probs), "elapsed": 0.0}
+
+    return {"plugin": path(plugin_error, problems), "stock": path(stock_error, ())}
+
+
+def test_classify():
+    error = {"type": "ConfigError", "message": "no", "memsafe": True, "moved": False, "rank": 0, "all_ranks": True}
+    crash = {"type": "ValueError", "message": "boom", "memsafe": False, "moved": True, "rank": 1, "all_ranks": False}
+    assert matrix.classify("f", "s", _facts()).outcome == matrix.PASS
+    assert matrix.classify("f", "s", _facts(problems=["1 tensor(s) differ"])).outcome == matrix.FAIL
+    assert matrix.classify("f", "s", _facts(error, stock_error=crash)).outcome == matrix.REFUSED
+    assert matrix.classify("f", "s", _facts(error)).outcome == matrix.FAIL  # refusing what stock can do
+    assert matrix.classify("f", "s", _facts({**error, "moved": True}, stock_error=crash)).outcome == matrix.FAIL
+    assert matrix.classify("f", "s", _facts(crash, stock_error=crash)).outcome == matrix.FAIL
+
+
+@pytest.mark.conformance
+@pytest.mark.timeout(4 * 3600)
+def test_full_matrix(tmp_path):
+    families, _ = fam.select(tmp_path)
+    cells, _ = matrix.run([(f, list(BY_NAME)) for f in families], tmp_path)
+    failures = [f"{c.family} x {c.setting}: {c.reason}" for c in cells if c.outcome == matrix.FAIL]
+    assert not failures, f"{len(failures)} of {len(cells)} cells FAIL:\n" + "\n".join(failures)
