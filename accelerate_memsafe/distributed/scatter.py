@@ -81,7 +81,10 @@ class Rank0Source:
         return name not in self.from_checkpoint and self.tensors[name].is_meta
 
     def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
-        """Copies rows ``[start, stop)`` of ``name`` into ``out``, casting to ``out.dtype`` on the way."""
+        """Copies rows ``[start, stop)`` of ``name`` into ``out``, casting to ``out.dtype`` on the way
+        (a 0-d tensor, e.g. a learned activation scalar, is its own single row)."""
+        if out.dim() == 0:
+            out = out.view(1)
         if name in self.from_checkpoint:
             entry = self.checkpoint.entries[name]
             if entry.dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu":

@@ -107,3 +107,21 @@ def test_release_hands_back_mmap_pages_without_changing_values(tiny_llama_dir):
     src.release("w")
     assert src.released_bytes >= 4096, "a zero-copy view of the checkpoint: its pages are dropped from RSS"
     assert torch.equal(w, before), "clean file pages are re-read from the file when touched again"
+
+
+@pytest.mark.parametrize("from_checkpoint", [True, False])
+def test_rank0_source_reads_0d_tensors(tmp_path, from_checkpoint):
+    # Apertus' xIELU activation has learned scalar parameters; reading one from the checkpoint into its
+    # 0-d destination failed ("self.dim() cannot be 0 to view Float as Byte") and aborted prepare
+    from safetensors.torch import save_file
+
+    from accelerate_memsafe.io.safetensors_source import SafetensorsSource
+
+    beta = torch.tensor(0.5)
+    save_file({"beta": beta, "w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsSource(tmp_path / "model.safetensors") if from_checkpoint else None
+    src = Rank0Source({"beta": beta.clone()}, ckpt, {"beta"} if from_checkpoint else None)
+    out = torch.empty((), dtype=torch.float32)
+    src.read_rows("beta", 0, 1, out)
+    assert out.item() == 0.5
+    src.close()
