@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - start
     timings = {
         "preparing the families (build, check, save, reference)": f"{prepared_s:.0f} s",
-        "spawns (one per family; a re-spawn after a hang is listed separately)":
+        "spawns (one per family; a re-spawn after a crash, hang or divergent error is listed separately)":
             ", ".join(f"{k.split('#')[0]} {v:.0f} s" for k, v in spawns.items()),
         "mean spawn": f"{sum(spawns.values()) / max(len(spawns), 1):.0f} s",
         "total": f"{total:.0f} s",

@@ -1,7 +1,7 @@
 """Runs cells in spawned 2-rank workers, classifies them, and renders the compatibility table.
 
-A spawn that hangs or dies loses only the cell it was in: that cell is a ``FAIL`` and the cells after it
-run in a fresh spawn.
+A spawn that hangs or dies loses only the path (plugin or stock) it was in: that path counts as a crash
+and everything after it runs in a fresh spawn.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Cell:
     outcome: str
     reason: str
     stock: str
-    """The stock path's outcome in a word: ``ok``, ``wrong``, ``error: <type>``, ``hang or crash``, ``not run``."""
+    """The stock path's outcome in a word: ``ok``, ``wrong``, ``error: <type>``, ``hang or crash``."""
     stock_reason: str = ""
     facts: dict[str, Any] = field(default_factory=dict)
 
@@ -49,7 +49,7 @@ def classify(family: str, setting: str, facts: dict[str, Any]) -> Cell:
     error = plugin["error"]
     if error is None and not plugin["problems"]:
         outcome, reason = PASS, ""
-    elif error and error["memsafe"] and not error["moved"] and _describe(stock) != "ok":
+    elif error and error.get("memsafe") and not error.get("moved") and _describe(stock) != "ok":
         outcome, reason = REFUSED, _error_text(error)
     else:
         outcome, reason = FAIL, _error_text(error) if error else "; ".join(plugin["problems"])
@@ -77,79 +77,79 @@ def run(jobs: list[tuple[Family, list[str]]], workdir: Path, *, pack: bool = Fal
         cell_s: float = CELL_S, on_cell: Callable[[Cell], None] | None = None) -> tuple[list[Cell], dict[str, float]]:
     """Runs the cells of ``jobs``: one spawn per family, or (``pack``) one spawn for all of them.
 
-    A spawn gets ``startup_s + cell_s * cells`` seconds; past that it is killed (a hang).
+    A spawn gets ``startup_s + cell_s * cells`` seconds; past that it is killed (a hang). What a spawn
+    did not finish runs in a new spawn: the path it died in counts as a crash of that path.
 
     Returns:
         The cells in order, and the wall seconds of each spawn (keyed by its first family).
     """
     from tests.spawn import RankFailure, run_on_ranks
 
-    groups = [jobs] if pack else [[job] for job in jobs]
+    tasks = [worker.Task(f, s) for f, settings in jobs for s in settings]
+    groups = [tasks] if pack else [[t for t in tasks if t.family.name == f.name] for f, _ in jobs]
+    facts: dict[tuple[str, str], dict[str, Any]] = {}
     cells: list[Cell] = []
+    emitted: set[tuple[str, str]] = set()
     spawns: dict[str, float] = {}
     for group in groups:
-        pending = [(family, list(settings)) for family, settings in group]
+        pending = group
         while pending:
-            progress = workdir / f"progress-{len(spawns)}-{time.monotonic_ns()}.jsonl"
+            progress = workdir / f"spawn-{len(spawns)}.jsonl"
             progress.touch()
-            timeout = startup_s + cell_s * sum(len(s) for _, s in pending)
             start, failure = time.monotonic(), None
             try:
-                run_on_ranks(worker.run_cells, 2, init_process_group=False, timeout=timeout, jobs=pending,
-                             progress=str(progress))
+                run_on_ranks(worker.run_cells, 2, init_process_group=False, timeout=startup_s + cell_s * len(pending),
+                             tasks=pending, progress=str(progress))
             except RankFailure as exc:
-                failure = exc
-            spawns[f"{pending[0][0].name}#{len(spawns)}"] = time.monotonic() - start
-            done, partial = _read(progress)
-            new = [classify(*key, facts) for key, facts in done.items()]
-            pending = [(f, [s for s in settings if (f.name, s) not in done]) for f, settings in pending]
-            pending = [(f, settings) for f, settings in pending if settings]
-            if failure is not None and pending:
-                lost = _lost(pending, partial, _first_line(str(failure)), any_done=bool(done))
-                new += lost
-                gone = {(c.family, c.setting) for c in lost}
-                pending = [(f, [s for s in settings if (f.name, s) not in gone]) for f, settings in pending]
-                pending = [(f, settings) for f, settings in pending if settings]
-            for cell in new:
-                cells.append(cell)
-                if on_cell:
-                    on_cell(cell)
+                failure = _first_line(str(exc))
+            spawns[f"{pending[0].family.name}#{len(spawns)}"] = time.monotonic() - start
+            events = [json.loads(line) for line in progress.read_text().splitlines()]
+            pending = _settle(pending, events, failure, facts)
+            for task in group:
+                key = (task.family.name, task.setting)
+                if len(facts.get(key, {})) == len(worker.PATHS) and key not in emitted:
+                    emitted.add(key)
+                    cells.append(classify(*key, facts[key]))
+                    if on_cell:
+                        on_cell(cells[-1])
     return cells, spawns
 
 
-def _read(progress: Path) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[tuple[str, str], dict[str, Any] | None]]:
-    """Finished cells with their facts, and unfinished ones with the plugin path's facts if it finished."""
-    done, partial = {}, {}
-    for line in progress.read_text().splitlines():
-        record = json.loads(line)
-        key, event = (record.pop("family"), record.pop("setting")), record.pop("event")
-        if event == "start":
-            partial[key] = None
-        elif event == "plugin":
-            partial[key] = record["plugin"]
+def _settle(pending: list[worker.Task], events: list[dict[str, Any]], failure: str | None,
+            facts: dict[tuple[str, str], dict[str, Any]]) -> list[worker.Task]:
+    """Records the facts of the paths a spawn finished (in ``facts``) and returns the tasks left.
+
+    When the spawn failed, the path it was in is a crash (with a rank's own account of it when one wrote
+    one); if it failed between cells, the next path is; if it never reached a cell, every pending path is.
+    """
+    starts, aborts, restart = [], {}, False
+    for e in events:
+        key = (e["family"], e["setting"])
+        if e["event"] == "start":
+            starts.append((key, e["path"]))
+        elif e["event"] == "abort":
+            aborts[(key, e["path"])] = e["message"]
+        elif e["event"] == "restart":
+            restart = True  # ended on purpose; a failure in the teardown that follows says nothing more
         else:
-            done[key] = record
-            partial.pop(key, None)
-    return done, partial
+            facts.setdefault(key, {})[e["event"]] = e[e["event"]]
 
+    def todo(task: worker.Task) -> tuple[str, ...]:
+        return tuple(p for p in task.paths if p not in facts.get((task.family.name, task.setting), {}))
 
-def _lost(pending: list[tuple[Family, list[str]]], partial: dict[tuple[str, str], Any], reason: str, *,
-          any_done: bool) -> list[Cell]:
-    """The cells a failed spawn took down: the one it was in; else (it failed between cells) the next one;
-    else (it never reached a cell) every pending one, since a re-spawn would fail the same way."""
-    if not partial:
-        keys = [(f.name, s) for f, settings in pending for s in settings]
-        if any_done:
-            return [Cell(*keys[0], FAIL, f"spawn failed before this cell started: {reason}", "not run")]
-        return [Cell(*key, FAIL, f"spawn failed before any cell started: {reason}", "not run") for key in keys]
-    cells = []
-    for (family, setting), plugin in partial.items():
-        if plugin is None:
-            cells.append(Cell(family, setting, FAIL, f"plugin path hung or crashed the process: {reason}", "not run"))
-        else:  # the stock path took the process down after the plugin's path finished
-            stock = {"error": {"type": CRASH, "message": reason}, "problems": []}
-            cells.append(classify(family, setting, {"plugin": plugin, "stock": stock}))
-    return cells
+    remaining = [t for t in pending if todo(t)]
+    if failure is not None and not restart and remaining:
+        lost = [s for s in starts[-1:] if s[1] not in facts.get(s[0], {})]
+        if not starts:
+            lost = [((t.family.name, t.setting), p) for t in remaining for p in todo(t)]
+            failure = f"the spawn failed before any cell started: {failure}"
+        elif not lost:
+            lost = [((remaining[0].family.name, remaining[0].setting), todo(remaining[0])[0])]
+            failure = f"the spawn failed between cells: {failure}"
+        for key, path in lost:
+            message = aborts.get((key, path)) or f"the {path} path hung or crashed the process: {failure}"
+            facts.setdefault(key, {})[path] = {"error": {"type": CRASH, "message": message}, "problems": []}
+    return [worker.Task(t.family, t.setting, todo(t)) for t in remaining if todo(t)]
 
 
 def _first_line(text: str) -> str:
@@ -175,7 +175,8 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
         "single-process `from_pretrained` of the same checkpoint (bf16: to the stock result when stock runs), the loss",
         "matches, ties are kept, one backward + AdamW step is finite, and both ranks agree.",
         "",
-        f"Produced by `{command}`",
+        f"Produced by `{command}` (see Timings; `--families llama,t5` runs a subset). The default test suite",
+        "runs a reduced set that covers every setting and every family kind (`tests/conformance/test_conformance.py`).",
         "",
         f"torch {torch.__version__}, accelerate {accelerate.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",

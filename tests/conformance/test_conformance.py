@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from . import families as fam
-from . import matrix
+from . import matrix, worker
 from .settings import BY_NAME
 
 #: family -> settings of the reduced set (whisper last: a crash costs a re-spawn of what follows it).
@@ -68,6 +68,27 @@ def test_classify():
     assert matrix.classify("f", "s", _facts(error)).outcome == matrix.FAIL  # refusing what stock can do
     assert matrix.classify("f", "s", _facts({**error, "moved": True}, stock_error=crash)).outcome == matrix.FAIL
     assert matrix.classify("f", "s", _facts(crash, stock_error=crash)).outcome == matrix.FAIL
+
+
+def test_settle_after_a_failed_spawn():
+    f = fam.Family(name="f", model_type="f", auto_class="A", kinds=(), inputs={}, num_params=0, options={})
+    tasks = [worker.Task(f, "a"), worker.Task(f, "b"), worker.Task(f, "c")]
+    ok = {"error": None, "problems": []}
+
+    def ev(event, setting, **kw):
+        return {"event": event, "family": "f", "setting": setting, **kw}
+
+    facts = {}
+    events = [ev("start", "a", path="plugin"), ev("plugin", "a", plugin=ok), ev("start", "a", path="stock"),
+              ev("abort", "a", path="stock", message="stock hung")]
+    left = matrix._settle(tasks, events, "rank(s) [1] died", facts)
+    assert facts[("f", "a")]["stock"]["error"]["message"] == "stock hung"
+    assert [(t.setting, t.paths) for t in left] == [("b", worker.PATHS), ("c", worker.PATHS)]
+    left = matrix._settle(left, [ev("start", "b", path="plugin"), ev("plugin", "b", plugin=ok), ev("restart", "b")],
+                          "teardown", facts)
+    assert [(t.setting, t.paths) for t in left] == [("b", ("stock",)), ("c", worker.PATHS)]
+    assert matrix._settle(left, [], "import failed", facts) == []
+    assert all(facts[("f", s)][p]["error"]["type"] == matrix.CRASH for s, p in [("b", "stock"), ("c", "plugin"), ("c", "stock")])
 
 
 @pytest.mark.conformance

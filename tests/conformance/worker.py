@@ -1,21 +1,31 @@
-"""The worker: one spawn of 2 gloo ranks runs the cells (settings) of one family, or of a few.
+"""The worker: one spawn of 2 gloo ranks runs a list of tasks (a family's setting: the plugin path, the
+stock path, or both).
 
-Each cell runs the plugin's prepare (``MemSafePlugin()``) and then stock accelerate's
-(``MemSafePlugin(stages=[])``), both through ``accelerate_memsafe.Accelerator`` on the same process group, which
-the first Accelerator creates and every later one reuses (the accelerate state is reset in between).
-Rank 0 gathers what every rank saw, compares it with the reference (or, under bf16, with stock), and
-appends JSON lines to the progress file as it goes, so that a hang or a crash loses only the cell (and
-the path) it happened in.
+The plugin path is ``accelerate_memsafe.Accelerator(plugins=[MemSafePlugin()])``; the stock path is the
+same class with ``MemSafePlugin(stages=[])`` (exactly accelerate's own prepare). Both run on the process
+group the first Accelerator creates; the accelerate state is reset in between. After each path the ranks
+swap what they saw through files (:class:`_Exchange`), not through gloo, because after an error one rank
+may be left inside a collective: when the ranks' errors differ the spawn ends (the rest, starting with
+that cell's other path, runs in the next one). A path that hangs is cut by a watchdog that kills the
+spawn's ranks, so a hang costs :data:`PATH_TIMEOUT`, not the whole spawn's timeout.
+Rank 0 judges each path against the reference (bf16: against stock) and appends JSON lines to the
+progress file as it goes.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import gc
 import json
 import math
+import os
+import signal
+import threading
 import time
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,39 +37,104 @@ from .settings import BY_NAME, Setting
 LOSS_TOL = {"rtol": 1e-5, "atol": 1e-6}
 #: Tolerance of a bf16 loss against the fp32 reference (used only when stock did not run).
 BF16_LOSS_TOL = {"rtol": 2e-2, "atol": 2e-2}
-#: How long a rank waits for the other at the end of a path before the ranks are declared out of step.
-SYNC_TIMEOUT = datetime.timedelta(seconds=60)
+#: Seconds one path (load, prepare, gather, forward, step, and waiting for the other rank) may take; the
+#: first path of a spawn also imports transformers' model code, on 2 shared cores.
+PATH_TIMEOUT = 240.0
 #: How many tensor names a problem lists.
 MAX_NAMES = 4
+PATHS = ("plugin", "stock")
 
 
-def run_cells(rank: int, world_size: int, *, jobs: list[tuple[Family, list[str]]], progress: str) -> None:
-    """Runs each job's cells (family, setting names) in order; rank 0 appends each cell's facts to ``progress``."""
+@dataclass(frozen=True)
+class Task:
+    """Paths of one cell to run."""
+
+    family: Family
+    setting: str
+    paths: tuple[str, ...] = PATHS
+
+
+class _Exchange:
+    """Per-rank results swapped through files after each path (works when the process group does not)."""
+
+    def __init__(self, directory: Path, rank: int, world_size: int) -> None:
+        self.dir, self.rank, self.world_size, self.step = directory, rank, world_size, 0
+        directory.mkdir(exist_ok=True)
+        (directory / f"pid.{rank}").write_text(str(os.getpid()))
+
+    def share(self, out: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's ``out``, in rank order, once all have written theirs (the watchdog bounds the wait)."""
+        self.step += 1
+        files = [self.dir / f"{self.step}.{r}.pt" for r in range(self.world_size)]
+        tmp = self.dir / f"tmp.{self.rank}"
+        torch.save(out, tmp)
+        os.replace(tmp, files[self.rank])
+        while not all(f.exists() for f in files):
+            time.sleep(0.05)
+        return [torch.load(f, weights_only=False) for f in files]
+
+    @contextlib.contextmanager
+    def watchdog(self, progress: str, record: dict[str, Any]) -> Iterator[None]:
+        """Past :data:`PATH_TIMEOUT`, logs ``record`` (an ``abort``) and kills every rank of this spawn:
+        a rank that hangs leaves its peer waiting inside a collective, where no other timeout reaches."""
+
+        def expire() -> None:
+            _log(progress, record)
+            for r in range(self.world_size):
+                if r != self.rank:
+                    with contextlib.suppress(OSError):
+                        os.kill(int((self.dir / f"pid.{r}").read_text()), signal.SIGKILL)
+            os._exit(124)
+
+        timer = threading.Timer(PATH_TIMEOUT, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+
+def run_cells(rank: int, world_size: int, *, tasks: list[Task], progress: str) -> None:
+    """Runs ``tasks`` in order. Returns early (after a ``restart`` record) when the ranks' errors differ."""
     import transformers
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    for family, settings in jobs:
-        reference = torch.load(family.reference, weights_only=False) if rank == 0 else None
-        for name in settings:
-            setting = BY_NAME[name]
-            cell = {"family": family.name, "setting": name}
-            _log(rank, progress, {"event": "start", **cell})
-            plugin = _gather(_run_path(family, setting, stages=None))
-            if rank == 0:  # judged again below against stock; this record survives a crash in the stock path
-                _log(rank, progress, {"event": "plugin", **cell, "plugin": _judge(plugin, reference, setting, baseline=None)})
-            stock = _gather(_run_path(family, setting, stages=[]))
+    exchange = _Exchange(Path(progress).with_suffix(".exchange"), rank, world_size)
+    references: dict[str, Any] = {}
+    for task in tasks:
+        family, setting = task.family, BY_NAME[task.setting]
+        cell = {"family": family.name, "setting": task.setting}
+        if rank == 0 and family.name not in references:
+            references = {family.name: torch.load(family.reference, weights_only=False)}
+        results = {}
+        for path in task.paths:
             if rank == 0:
-                facts = {"plugin": _judge(plugin, reference, setting, baseline=stock),
-                         "stock": _judge(stock, reference, setting, baseline=None)}
-                _log(rank, progress, {"event": "done", **cell, **facts})
+                _log(progress, {"event": "start", **cell, "path": path})
+            hang = f"the {path} path did not finish within {PATH_TIMEOUT:.0f} s on rank {rank} (a hang)"
+            with exchange.watchdog(progress, {"event": "abort", **cell, "path": path, "message": hang}):
+                results[path] = exchange.share(_run_path(family, setting, stages=None if path == "plugin" else []))
+            if rank == 0:
+                _log(progress, {"event": path, **cell, path: _judge(results[path], references[family.name], setting)})
+            if _diverged(results[path]):
+                if rank == 0:
+                    _log(progress, {"event": "restart", **cell})
+                return
+        if rank == 0 and len(results) == 2 and setting.mixed_precision != "no":
+            plugin = _judge(results["plugin"], references[family.name], setting, baseline=results["stock"])
+            _log(progress, {"event": "plugin", **cell, "plugin": plugin})
 
 
-def _log(rank: int, path: str, record: dict[str, Any]) -> None:
-    if rank == 0:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+def _diverged(per_rank: list[dict[str, Any]]) -> bool:
+    """Whether the ranks ended a path differently (one may be left with a collective pending)."""
+    return len({(r["error"]["type"], r["error"]["message"]) if r["error"] else None for r in per_rank}) > 1
+
+
+def _log(path: str, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def _load(family: Family, loader: str) -> torch.nn.Module:
@@ -129,20 +204,8 @@ def _reset_accelerate() -> None:
     gc.collect()
 
 
-def _gather(out: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Every rank's result on rank 0 (``None`` elsewhere), after checking that every rank got here."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # the first Accelerator failed before creating the process group
-        return [out]
-    dist.monitored_barrier(timeout=SYNC_TIMEOUT)
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(out, gathered, dst=0)
-    return gathered
-
-
 def _judge(per_rank: list[dict[str, Any]], reference: dict[str, Any], setting: Setting,
-           baseline: list[dict[str, Any]] | None) -> dict[str, Any]:
+           baseline: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The facts of one path on rank 0: its error, or the problems found (empty when it conforms).
 
     Tensors are compared with the reference; under bf16 mixed precision with the stock path's result
