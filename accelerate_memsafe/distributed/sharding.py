@@ -154,6 +154,60 @@ class GroupFilter:
             self.managed.update(id(p) for p in _group_params(m))
 
 
+#: Keyword arguments through which a transformers layer reads and *writes* its KV cache.
+_CACHE_KWARGS = ("past_key_values", "layer_past", "past_key_value")
+
+
+def _cache_free_in_training(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
+    """Forward pre-hook of a checkpoint wrapper: in training, the wrapped layer runs without a KV cache.
+
+    transformers' own gradient checkpointing (``GradientCheckpointingLayer``) applies the same rule: a layer
+    that writes the cache would write it a second time when the backward pass recomputes it, and the
+    recomputed attention then sees twice the keys (a shape error, or a checkpoint metadata error). A layer
+    that only reads the cache (``_can_checkpoint_with_cache``) keeps it.
+    """
+    if not module.training:
+        return None
+    inner = getattr(module, "_checkpoint_wrapped_module", module)
+    changed = dict(kwargs)
+    if changed.get("use_cache"):
+        changed["use_cache"] = False
+    if not getattr(inner, "_can_checkpoint_with_cache", False):
+        for key in _CACHE_KWARGS:
+            if changed.get(key) is not None:
+                changed[key] = None
+    return (args, changed) if changed != kwargs else None
+
+
+def drop_cache_under_checkpointing(model: torch.nn.Module) -> int:
+    """Makes activation-checkpointed transformers layers skip the KV cache in training, as transformers does.
+
+    accelerate's FSDP2 activation checkpointing wraps layers in torch's ``CheckpointWrapper``, which replays
+    the layer's forward with the same arguments, cache included; models whose layers write the cache
+    (sliding-window and encoder-decoder attention among them) then fail in backward. Only wrappers around a
+    transformers ``GradientCheckpointingLayer`` get the hook; evaluation (``model.eval()``) is untouched.
+
+    Returns:
+        The number of wrappers hooked.
+
+    Example:
+        >>> drop_cache_under_checkpointing(torch.nn.Linear(2, 2))
+        0
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # no transformers: no transformers layers
+        return 0
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, CheckpointWrapper) and isinstance(module._checkpoint_wrapped_module, GradientCheckpointingLayer):
+            module.register_forward_pre_hook(_cache_free_in_training, with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
 def resolve_wrap_policy(fsdp_plugin: Any, model: torch.nn.Module) -> None:
     """Resolves the plugin's ``auto_wrap_policy`` against the *unwrapped* model, once, as accelerate's
     ``_prepare_fsdp2`` does first thing. After ``fully_shard`` the layer classes are renamed
@@ -199,6 +253,7 @@ def shard_model(
     resolve_wrap_policy(fsdp_plugin, model)
     if fsdp_plugin.activation_checkpointing:
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
+        drop_cache_under_checkpointing(model)
     groups = GroupFilter(model)
     with _compat.filtered_fully_shard(model, groups.select, groups.formed):
         model = _compat.fsdp2_wrap(

@@ -8,7 +8,6 @@ labels, survives a ``save_pretrained`` / ``from_pretrained`` round trip bit for 
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -122,8 +121,8 @@ class Family:
     """The batch: input name -> (``"ids"`` or ``"float"``, shape, vocabulary size for ids)."""
     num_params: int
     options: dict[str, Any]
-    """Non-tensor forward arguments: ``use_cache=False`` where accepted (a cache filled during the forward
-    is filled again when activation checkpointing recomputes it, and no training loop wants one)."""
+    """Non-tensor forward arguments. Empty for every family: the forward runs with the model's defaults
+    (``use_cache`` included, as a training loop calls it), which activation checkpointing must survive."""
     path: str = ""
     """Directory holding ``checkpoint/`` (``save_pretrained``) and ``reference.pt`` once prepared."""
 
@@ -197,7 +196,7 @@ def build(name: str, model_type: str, auto_class: str) -> tuple[torch.nn.Module,
         raise
     except Exception as exc:
         raise Dropped(f"does not build: {_first_line(exc)}") from exc
-    options = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    options: dict[str, Any] = {}
     family = Family(name=name, model_type=model_type, auto_class=auto_class, kinds=kinds_of(model, auto_class),
                     inputs=_inputs(model), num_params=n, options=options)
     return model, family
