@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -16,13 +17,21 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _slow_wanted(config) -> bool:
+    """``@pytest.mark.slow`` tests (the long cells of a matrix whose reduced set runs by default) run with
+    ``MEMSAFE_SLOW=1`` or ``-m slow``."""
+    selected = re.search(r"(?<!not )\bslow\b", config.getoption("markexpr", default="") or "")
+    return bool(os.environ.get("MEMSAFE_SLOW") == "1" or selected)
+
+
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    slow = None if _slow_wanted(config) else pytest.mark.skip(reason="a long cell: set MEMSAFE_SLOW=1, or pass -m slow")
+    gpu = None if _has_cuda() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if gpu is not None and "gpu" in item.keywords:
+            item.add_marker(gpu)
+        if slow is not None and item.get_closest_marker("slow"):
+            item.add_marker(slow)
 
 
 @pytest.fixture(autouse=True)

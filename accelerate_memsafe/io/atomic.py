@@ -227,7 +227,8 @@ def saved_world_size(path: str | os.PathLike, marker: dict[str, Any] | None = No
 
 
 def check_loadable(path: str | os.PathLike, *, world_size: int | None = None) -> dict[str, Any] | None:
-    """Refuses a checkpoint directory that is temporary, incomplete, truncated or of another world size.
+    """Refuses a checkpoint directory that is temporary, incomplete or truncated, or that holds per-rank
+    files (:func:`per_rank_files`) and was written by another world size.
 
     Args:
         path: The checkpoint directory.
@@ -270,11 +271,42 @@ def check_loadable(path: str | os.PathLike, *, world_size: int | None = None) ->
     if world_size is not None:
         saved = saved_world_size(path, marker)
         if saved is not None and saved != world_size:
-            raise CheckpointError(
-                f"checkpoint {path} was written by {saved} process(es), but this run has {world_size}. "
-                f"Resume with {saved} processes (`--num_processes {saved}`), or convert the checkpoint first."
-            )
+            unreshardable = per_rank_files(path)
+            if unreshardable:
+                name, why = unreshardable[0]
+                raise CheckpointError(
+                    f"checkpoint {path} was written by {saved} process(es), but this run has {world_size}, and "
+                    f"{path / name} cannot be resharded: {why}. Resume with {saved} processes "
+                    f"(`--num_processes {saved}`), or re-save it with `SHARDED_STATE_DICT` (a DCP checkpoint, "
+                    "which loads on any number of processes)."
+                )
     return marker
+
+
+#: Files that hold one rank's piece of a tensor in a layout tied to the world size that wrote it.
+_PER_RANK_FORMATS = (
+    (re.compile(r".*_rank\d+\.bin"), "it is an FSDP `LOCAL_STATE_DICT` file, one rank's flat shard in a layout "
+                                       "fixed by the world size that wrote it"),
+)
+
+
+def per_rank_files(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """The files of a checkpoint directory that only the world size that wrote them can load, with why.
+
+    Everything else accelerate writes loads on any world size: full state dicts (``model.safetensors``,
+    ``pytorch_model_fsdp_0.bin``, ``optimizer.bin``) are read whole; DCP folders (``SHARDED_STATE_DICT``)
+    are resharded by ``torch.distributed.checkpoint``; ``random_states_<rank>.pkl`` is restored on the ranks
+    that have one (the others keep their random state, as in stock accelerate); DeepSpeed folders follow
+    DeepSpeed's own rules.
+
+    Example:
+        >>> per_rank_files("/nonexistent")
+        []
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return sorted((f.name, why) for f in path.iterdir() for pattern, why in _PER_RANK_FORMATS if pattern.fullmatch(f.name))
 
 
 def _iteration(name: str) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from ..distributed.collectives import Collectives
@@ -17,8 +18,10 @@ class AtomicCheckpointStage(Stage):
     the rolling ``total_limit`` deletion runs after the new checkpoint is complete.
 
     On ``load_state``: resolves the latest *complete* checkpoint when no directory is given, and refuses a
-    temporary, incomplete or truncated directory, or one written by another number of processes, before
-    anything is loaded.
+    temporary, incomplete or truncated directory, or one written by another number of processes that
+    holds files only that number can load (:func:`~accelerate_memsafe.io.atomic.per_rank_files`), before
+    anything is loaded. A checkpoint of another world size that can be resharded loads, with a warning
+    naming what is not restored on this rank (its random states, when it has no ``random_states_<rank>.pkl``).
     """
 
     name = "atomic_checkpoint"
@@ -109,4 +112,16 @@ class AtomicCheckpointStage(Stage):
         marker = atomic.check_loadable(path, world_size=ctx.world_size)
         validate.check_accelerate_checkpoint(path, ctx.models, rank=ctx.rank)
         ctx.directory = str(path)
-        return ran(directory=str(path), marked_complete=marker is not None)
+        saved = atomic.saved_world_size(path, marker)
+        if saved is None or saved == ctx.world_size:
+            return ran(directory=str(path), marked_complete=marker is not None)
+        rng = path / f"random_states_{ctx.rank}.pkl"
+        warnings.warn(
+            f"checkpoint {path} was written by {saved} process(es) and is loaded by {ctx.world_size}: model and "
+            "optimizer state are resharded" + ("" if rng.is_file() else f"; rank {ctx.rank} has no {rng.name} and "
+            "keeps its current random states (as stock accelerate does)") + "; dataloaders resume as stock "
+            "accelerate resumes them (the data is split differently, so the batch order is not the old run's).",
+            stacklevel=2,
+        )
+        return ran(directory=str(path), marked_complete=marker is not None, resharded_from=saved,
+                   random_states=rng.is_file())

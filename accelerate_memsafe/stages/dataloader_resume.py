@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 
-from ..io import resume
+from ..io import atomic, resume
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 
@@ -64,6 +64,10 @@ class DataLoaderResumeStage(Stage):
         if ctx.hook == "load_state":
             self._pending.clear()
             path = resume.state_file(ctx.directory, ctx.rank)
+            saved = atomic.saved_world_size(ctx.directory)
+            if saved is not None and saved != ctx.world_size:
+                return skipped(f"the checkpoint was written by {saved} process(es), this run has {ctx.world_size}: "
+                               "each rank's epoch-start generator belongs to the old split of the data")
             if not path.exists():
                 return skipped(f"the checkpoint has no {path.name} (written without the plugin)")
             return ran()

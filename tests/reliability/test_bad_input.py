@@ -318,14 +318,17 @@ def test_load_state_refuses_bad_model_file(case, saved_state, tmp_path):
     _load_refused(d, tmp_path, pattern)
 
 
-def test_load_state_refuses_world_size_mismatch(saved_state, tmp_path):
+def test_load_state_refuses_per_rank_files_of_another_world_size(saved_state, tmp_path):
     d = _copy(saved_state, tmp_path)
     marker = json.loads((d / atomic.MARKER).read_text())
     marker["world_size"] = 2
     shutil.copy(d / "random_states_0.pkl", d / "random_states_1.pkl")
+    for rank in range(2):  # FSDP LOCAL_STATE_DICT: one rank's flat shard each, tied to the world size
+        torch.save({"flat_param": torch.zeros(4)}, d / f"pytorch_model_fsdp_rank{rank}.bin")
     (d / atomic.MARKER).write_text(json.dumps(marker))
     corrupt.remark(d)
-    _load_refused(d, tmp_path, r"written by 2 process\(es\), but this run has 1.*--num_processes 2")
+    _load_refused(d, tmp_path, r"written by 2 process\(es\), but this run has 1.*pytorch_model_fsdp_rank0.bin cannot be "
+                               r"resharded.*LOCAL_STATE_DICT.*--num_processes 2")
 
 
 def test_load_state_refuses_optimizer_pickle_with_code(saved_state, tmp_path):
