@@ -32,6 +32,8 @@ class LaunchEnv:
     world_size: int
     rank: int
     local_rank: int
+    local_world_size: int
+    """Processes on this node (``LOCAL_WORLD_SIZE``; 1 when the launcher does not say)."""
     use_fsdp: bool
     fsdp_version: int
     use_cpu: bool
@@ -53,6 +55,7 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         world_size=int(environ.get("WORLD_SIZE", "1")),
         rank=int(environ.get("RANK", "0")),
         local_rank=int(environ.get("LOCAL_RANK", "-1")),
+        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1") or "1"),
         use_fsdp=_flag(environ.get("ACCELERATE_USE_FSDP")),
         fsdp_version=int(environ.get("FSDP_VERSION", "1") or "1"),
         use_cpu=_flag(environ.get("ACCELERATE_USE_CPU")),

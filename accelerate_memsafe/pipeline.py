@@ -91,37 +91,63 @@ class MemoryEstimate:
     what: str = ""
 
 
-def available_memory(device: torch.device | None) -> tuple[int, int | None]:
-    """Available CPU memory (``MemAvailable``) and free device memory (``None`` without an accelerator)."""
-    import psutil
+def available_memory(device: torch.device | None):
+    """The CPU memory this process can still use (a :class:`~accelerate_memsafe.memory.limits.CpuLimit`:
+    the host's ``MemAvailable`` or a tighter cgroup limit) and free device memory (``None`` without an
+    accelerator)."""
+    from .memory.limits import cpu_memory_limit
 
-    cpu = psutil.virtual_memory().available
     dev = None
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         dev = torch.cuda.mem_get_info(device)[0]
-    return cpu, dev
+    return cpu_memory_limit(), dev
 
 
-def check_budget(stage: str, hook: str, rank: int, est: MemoryEstimate, cpu_free: int, dev_free: int | None) -> None:
-    """Raises :class:`MemoryBudgetError` if ``est`` does not fit the free memory.
+@dataclass(frozen=True)
+class RankBudget:
+    """What one rank brings to the preflight check: its limits and its stages' estimates."""
+
+    rank: int
+    cpu_key: str
+    """Ranks with the same key share one CPU limit (a node, or one container's cgroup)."""
+    cpu_available: int
+    cpu_source: str
+    dev_free: int | None
+    estimates: dict[str, MemoryEstimate]
+
+
+def budget_problems(hook: str, budgets: list[RankBudget], local_world_size: int = 1) -> list[str]:
+    """Every rank's stage that would not fit, one line each (empty: all fit).
+
+    A stage's CPU need on a node is the sum of the estimates of the ranks that share its limit (they run
+    the stage at the same time); where only this rank's budget is known, its estimate counts
+    ``local_world_size`` times. Device memory is per rank.
 
     Example:
-        >>> check_budget("shard", "prepare", 0, MemoryEstimate(cpu_bytes=1), cpu_free=2, dev_free=None)
+        >>> b = RankBudget(0, "h", 3 << 30, "MemAvailable of the host", None, {"s": MemoryEstimate(cpu_bytes=2 << 30)})
+        >>> budget_problems("prepare", [b], local_world_size=2)[0].split(" (")[0]
+        'stage `s` at hook `prepare` on rank 0 would not fit'
     """
-    from .errors import MemoryBudgetError
-
     gib = 2**30
     problems = []
-    if est.cpu_bytes > cpu_free:
-        problems.append(f"CPU: needs {est.cpu_bytes / gib:.2f} GiB, {cpu_free / gib:.2f} GiB available")
-    if dev_free is not None and est.device_bytes > dev_free:
-        problems.append(f"device: needs {est.device_bytes / gib:.2f} GiB, {dev_free / gib:.2f} GiB free")
-    if problems:
-        raise MemoryBudgetError(
-            f"stage `{stage}` at hook `{hook}` on rank {rank} would not fit ({'; '.join(problems)})"
-            f"{' for ' + est.what if est.what else ''}. Nothing was changed. Free memory, use more processes or a "
-            "smaller `bucket_bytes`, or disable the check with `MemSafePlugin(preflight_memory_check=False)`."
-        )
+    for b in budgets:
+        peers = [o for o in budgets if o.cpu_key == b.cpu_key]
+        sharing = len(peers) if len(budgets) > 1 else max(1, local_world_size)
+        for name, est in b.estimates.items():
+            found = []
+            need = sum(o.estimates[name].cpu_bytes for o in peers if name in o.estimates) if len(budgets) > 1 \
+                else est.cpu_bytes * sharing
+            if need > b.cpu_available:
+                who = (f"the {sharing} ranks sharing this limit need {need / gib:.2f} GiB together (this rank "
+                       f"{est.cpu_bytes / gib:.2f} GiB)") if sharing > 1 else f"needs {need / gib:.2f} GiB"
+                found.append(f"CPU: {who}, {b.cpu_available / gib:.2f} GiB available by the {b.cpu_source}")
+            if b.dev_free is not None and est.device_bytes > b.dev_free:
+                found.append(f"device: needs {est.device_bytes / gib:.2f} GiB, {b.dev_free / gib:.2f} GiB free")
+            if found:
+                problems.append(
+                    f"stage `{name}` at hook `{hook}` on rank {b.rank} would not fit ({'; '.join(found)})"
+                    f"{' for ' + est.what if est.what else ''}")
+    return problems
 
 
 @dataclass
@@ -345,42 +371,41 @@ class Pipeline:
         return ctx.result
 
     def _preflight(self, ctx: HookContext) -> None:
-        """Checks every stage's estimate before any stage runs; the verdict is shared by all ranks, so
-        that one rank refusing never leaves the others waiting in a collective."""
+        """Checks every stage's estimate before any stage runs. The ranks exchange their estimates and
+        limits once, so every rank reaches the same verdict (one rank refusing never leaves the others
+        waiting in a collective), and ranks that share a CPU limit are checked against it together."""
         options = ctx.options
         if options is None or not getattr(options, "preflight_memory_check", False):
             return
         stages = [s for s in self.stages.get(ctx.hook, ()) if type(s).estimate is not Stage.estimate]
         if not stages:
             return
-        error = None
-        cpu_free, dev_free = available_memory(ctx.device)
+        limit, dev_free = available_memory(ctx.device)
+        estimates = {}
         for stage in stages:
             est = stage.estimate(ctx)
-            if est is None:
-                continue
-            ctx.scratch.setdefault("estimates", {})[stage.name] = est
-            try:
-                check_budget(stage.name, ctx.hook, ctx.rank, est, cpu_free, dev_free)
-            except Exception as exc:  # MemoryBudgetError
-                error = str(exc)
-                break
-        errors = [error]
+            if est is not None:
+                estimates[stage.name] = est
+        ctx.scratch.setdefault("estimates", {}).update(estimates)
+        mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
+        budgets = [mine]
         import torch.distributed as dist
 
         if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
             from .distributed.collectives import Collectives
 
             coll = Collectives("preflight", timeout_s=options.collective_timeout_s)
-            errors = coll.all_gather_object(error, what="exchange of the preflight memory verdicts")
-        failed = [(r, e) for r, e in enumerate(errors) if e]
-        if failed:
+            budgets = coll.all_gather_object(mine, what="exchange of the preflight memory estimates")
+        from .env import launch_env
+
+        problems = budget_problems(ctx.hook, budgets, local_world_size=launch_env().local_world_size)
+        if problems:
             from .errors import MemoryBudgetError
 
-            ranks = [r for r, _ in failed]
             raise MemoryBudgetError(
-                f"preflight memory check failed on rank(s) {ranks} before hook `{ctx.hook}` started: "
-                + " | ".join(e for _, e in failed)
+                f"preflight memory check failed before hook `{ctx.hook}` started: {' | '.join(problems)}. Nothing "
+                "was changed. Free memory, use more nodes or fewer processes per node, a smaller `bucket_bytes`, or "
+                "disable the check with `MemSafePlugin(preflight_memory_check=False)`."
             )
 
     def _make_record(

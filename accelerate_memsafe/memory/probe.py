@@ -11,6 +11,10 @@ The device peak is measured without touching the allocator's peak statistics: th
 
 When the region stayed below an earlier high-water mark, a transient peak shorter than the sampling
 interval can be missed; the figure is then a lower bound.
+
+The CPU RSS peak follows the same rule with the kernel's ``VmHWM``, which the probe never resets (a reset
+through ``/proc/self/clear_refs`` would lower the figure the user's own tools read): the sampled peak,
+raised to ``VmHWM`` when ``VmHWM`` rose during the region.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .procfs import read_proc_memory, reset_peak_rss
+from .procfs import read_proc_memory
 from .tracker import LiveTensorTracker
 
 #: Sampling interval of the RSS thread. 2 ms catches transient peaks of a few hundred MB at memcpy speed.
@@ -126,7 +130,6 @@ class MemoryProbe:
             self._sample()
 
     def __enter__(self) -> MemoryProbe:
-        self._hwm_reset = reset_peak_rss()
         self._start_mem = read_proc_memory()
         self._dev = _device_module(self.device)
         if self._dev is not None:
@@ -158,7 +161,7 @@ class MemoryProbe:
         if self._samples:
             rss_peak = max(s.rss for s in self._samples)
             anon_peak = max(s.anon for s in self._samples)
-            if end is not None and self._hwm_reset:
+            if end is not None and start is not None and end.hwm > start.hwm:  # a new VmHWM was set inside
                 rss_peak = max(rss_peak, end.hwm)
         dev_peak = dev_delta = None
         if self._dev is not None:

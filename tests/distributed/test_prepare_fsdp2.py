@@ -54,6 +54,25 @@ def test_preflight_refuses_on_every_rank_before_anything_is_modified(tiny_llama_
                            model_dir=str(tiny_llama_dir))
     for res in results:
         assert res["message"] is not None, "prepare must be refused"
-        assert "rank(s) [0]" in res["message"] and "stage `rank0_distribute`" in res["message"]
+        assert "stage `rank0_distribute` at hook `prepare` on rank 0 would not fit" in res["message"]
+        assert "on rank 1" not in res["message"]
         assert "CPU: needs" in res["message"] and "preflight_memory_check=False" in res["message"]
+        assert "available by the cgroup memory.max of /sys/fs/cgroup/rank0" in res["message"]
         assert res["unchanged"], "no parameter may be moved or modified"
+
+
+def test_preflight_counts_the_ranks_that_share_a_cgroup_together(tiny_llama_dir):
+    """Two ranks in one pod: a limit that holds either rank's estimate but not both is refused, naming
+    the shared limit; a limit that holds both passes."""
+    probe = run_on_ranks(workers.prepare_with_tiny_budget, 2, init_process_group=False, timeout=120,
+                         model_dir=str(tiny_llama_dir), shared_bytes=1 << 50)
+    assert all(r["message"] is None for r in probe)
+    needs = [r["cpu_estimate"] for r in probe]
+    both = sum(needs)
+    refused = run_on_ranks(workers.prepare_with_tiny_budget, 2, init_process_group=False, timeout=120,
+                           model_dir=str(tiny_llama_dir), shared_bytes=both - 1)
+    assert max(needs) < both - 1  # each rank alone would fit
+    for res in refused:
+        assert res["message"] is not None and res["unchanged"]
+        assert "the 2 ranks sharing this limit need" in res["message"]
+        assert "available by the cgroup memory.max of /sys/fs/cgroup/pod (test)" in res["message"]

@@ -48,18 +48,35 @@ def prepare_tiny_llama(rank: int, world_size: int, *, model_dir: str, attach: bo
     }
 
 
-def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str) -> dict[str, Any]:
-    """Rank 0 pretends to have 1 KiB free (the tiny model needs a few hundred KiB): every rank must refuse prepare before touching the model."""
+def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str, shared_bytes: int | None = None) -> dict[str, Any]:
+    """Rank 0 pretends to sit in a cgroup with 1 KiB free (the tiny model needs a few hundred KiB); or
+    (``shared_bytes``) both ranks share one cgroup with that much free. Every rank must refuse prepare
+    before touching the model."""
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM
 
     from accelerate_memsafe import Accelerator, MemoryBudgetError, MemSafePlugin
     from accelerate_memsafe import pipeline
+    from accelerate_memsafe.memory.limits import CpuLimit
 
     real = pipeline.available_memory
-    if rank == 0:
-        pipeline.available_memory = lambda device: (1024, None)
+    if shared_bytes is not None:
+        limit = CpuLimit(shared_bytes, "cgroup memory.max of /sys/fs/cgroup/pod (test)", "node:pod")
+        pipeline.available_memory = lambda device: (limit, None)
+    elif rank == 0:
+        limit = CpuLimit(1024, "cgroup memory.max of /sys/fs/cgroup/rank0 (test)", "node:rank0")
+        pipeline.available_memory = lambda device: (limit, None)
+    estimates = []
+    real_estimate = pipeline.Pipeline._preflight
+
+    def spy(self, ctx):
+        try:
+            return real_estimate(self, ctx)
+        finally:
+            estimates.append(ctx.scratch.get("estimates", {}).get("rank0_distribute"))
+
+    pipeline.Pipeline._preflight = spy
     accelerator = Accelerator(plugins=[MemSafePlugin()], fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -71,5 +88,8 @@ def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str) -> d
         message = str(exc)
     finally:
         pipeline.available_memory = real
-    unchanged = all(p.device.type != "meta" and torch.equal(before[n], p) for n, p in model.named_parameters())
-    return {"message": message, "unchanged": unchanged}
+        pipeline.Pipeline._preflight = real_estimate
+    unchanged = message is not None and all(p.device.type != "meta" and torch.equal(before[n], p)
+                                            for n, p in model.named_parameters())
+    est = estimates[0] if estimates else None
+    return {"message": message, "unchanged": unchanged, "cpu_estimate": est.cpu_bytes if est else None}

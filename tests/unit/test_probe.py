@@ -108,3 +108,27 @@ def test_probe_reports_a_new_device_high_water_mark_exactly(monkeypatch):
     assert fake.resets == 0
     assert probe.result.device_peak_bytes == 1500
     assert probe.result.device_delta_bytes == 200
+
+
+def test_probe_never_lowers_the_processes_vmhwm():
+    """``VmHWM`` is what ``/usr/bin/time``-style tools and the user's own logging read: a probe around a
+    small region after a large transient must leave it at the large transient's level."""
+    import ctypes
+
+    big = torch.ones(256 * 2**20 // 4)  # 256 MiB touched, then freed (mmap'ed: returned to the kernel)
+    del big
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    hwm_before = read_proc_memory().hwm
+    with MemoryProbe() as probe:
+        small = torch.ones(2**20)
+    del small
+    assert read_proc_memory().hwm >= hwm_before, "the probe reset VmHWM"
+    assert probe.result.cpu_rss_peak_bytes < hwm_before  # the region's own peak, not the earlier transient
+
+
+def test_probe_takes_a_new_vmhwm_set_inside_the_region():
+    hwm_before = read_proc_memory().hwm
+    with MemoryProbe() as probe:
+        x = torch.ones((hwm_before - read_proc_memory().rss + 64 * 2**20) // 4)  # rises above the old VmHWM
+        del x
+    assert probe.result.cpu_rss_peak_bytes >= hwm_before + 32 * 2**20
