@@ -86,6 +86,9 @@ class EpochStartRecorder(torch.utils.data.Sampler):
         else:
             setattr(self.sampler, name, value)
 
+    def __len__(self) -> int:  # dunders are looked up on the type, so `__getattr__` does not forward them
+        return len(self.sampler)
+
     def __iter__(self):
         generator = getattr(self.sampler, "generator", None)
         if self._replay_from is not None and generator is not None:

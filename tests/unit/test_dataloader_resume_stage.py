@@ -71,6 +71,15 @@ def test_sampler_wrapper_forwards_attributes_and_methods():
     assert wrapper.epoch_start_state is not None and not hasattr(inner, "epoch_start_state")
     with pytest.raises(AttributeError):
         wrapper.no_such_attribute  # noqa: B018
+    assert len(wrapper) == 6  # dunders too: schedulers are sized with len(train_dataloader)
+
+
+def test_len_of_a_prepared_shuffled_dataloader_is_stock_accelerates(tmp_path):
+    lengths = {}
+    for stock in (False, True):
+        acc = _fresh_accelerator(stock, use_stateful_dataloader=False)
+        lengths[stock] = len(acc.prepare(_shuffled("dataloader")))
+    assert lengths[False] == lengths[True] > 0
 
 
 # -- 3. exact shuffled resume -------------------------------------------------------------------------------
