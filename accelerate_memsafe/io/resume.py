@@ -54,11 +54,15 @@ class EpochStartRecorder(torch.utils.data.Sampler):
         True
     """
 
-    _OWN = frozenset({"sampler", "epoch_start_state", "_after_replay", "_replay_from"})
+    _OWN = frozenset({"sampler", "epoch_start_state", "epoch_seed", "_after_replay", "_replay_from", "_replay_seed"})
 
     def __init__(self, sampler: Any) -> None:
         object.__setattr__(self, "sampler", sampler)
         object.__setattr__(self, "epoch_start_state", None)
+        # A `RandomSampler` without a generator draws each epoch's seed from the global RNG: the seed it
+        # drew for the current epoch, and the one to use instead of drawing when the epoch is replayed.
+        object.__setattr__(self, "epoch_seed", None)
+        object.__setattr__(self, "_replay_seed", None)
         # The generator states to set when the replayed epoch begins and once it ends: see `replay_from`.
         object.__setattr__(self, "_replay_from", None)
         object.__setattr__(self, "_after_replay", None)
@@ -67,6 +71,18 @@ class EpochStartRecorder(torch.utils.data.Sampler):
         """Sets the generator to ``generator_state`` when the next epoch begins, right before the sampler
         draws (a dataloader may draw from the same generator before that, e.g. its base seed)."""
         self._replay_from = _as_bytes(generator_state)
+
+    def replay_seed(self, seed: int, rng_state: torch.Tensor | None = None) -> None:
+        """Makes the next epoch of a generator-less ``RandomSampler`` use ``seed`` (the seed the interrupted
+        epoch drew) instead of drawing one from the global RNG, which ``load_state`` restored to where it was
+        *after* that draw.
+
+        ``rng_state`` is the global RNG as ``load_state`` left it. The replayed epoch's ``DataLoader``
+        iterator draws its base seed from the global RNG once more (the uninterrupted run drew it before
+        the save); when that one draw is all that happened since, the RNG is set back to ``rng_state``, so
+        the following epochs and the training draw what they drew in the uninterrupted run.
+        """
+        self._replay_seed = (int(seed), None if rng_state is None else rng_state.clone())
 
     def resume_after(self, generator_state: torch.Tensor) -> None:
         """Sets the generator to ``generator_state`` once an epoch has been iterated to its end (the replay
@@ -91,6 +107,8 @@ class EpochStartRecorder(torch.utils.data.Sampler):
 
     def __iter__(self):
         generator = getattr(self.sampler, "generator", None)
+        if generator is None and isinstance(self.sampler, torch.utils.data.RandomSampler):
+            return self._iter_seeded()
         if self._replay_from is not None and generator is not None:
             generator.set_state(_as_tensor(self._replay_from))
         self._replay_from = None
@@ -100,10 +118,46 @@ class EpochStartRecorder(torch.utils.data.Sampler):
             return iter(self.sampler)
         return _OnExhausted(iter(self.sampler), self._replayed)
 
+    def _iter_seeded(self):
+        """What ``RandomSampler.__iter__`` does without a generator (at the first ``next``: draw a seed from
+        the global RNG, seed a new generator with it), with the seed recorded, or replayed without a draw."""
+        replay, self._replay_seed = self._replay_seed, None
+        if replay is None:
+            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        else:
+            seed, loaded = replay
+            if loaded is not None and _one_draw_after(loaded, torch.get_rng_state()):
+                torch.set_rng_state(loaded)
+        self.epoch_seed = seed
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.sampler.generator = generator
+        try:
+            inner = iter(self.sampler)
+            first = next(inner, _END)  # RandomSampler reads its generator here
+        finally:
+            self.sampler.generator = None
+        if first is _END:
+            return
+        yield first
+        yield from inner
+
     def _replayed(self) -> None:
         if self._after_replay is not None:
             self.sampler.generator.set_state(_as_tensor(self._after_replay))
             self._after_replay = None
+
+
+_END = object()
+
+
+def _one_draw_after(before: torch.Tensor, now: torch.Tensor) -> bool:
+    """Whether the CPU RNG state ``now`` is ``before`` advanced by exactly one ``int64`` ``random_()`` draw
+    (what a ``DataLoader`` iterator takes for its base seed)."""
+    probe = torch.Generator()
+    probe.set_state(before)
+    torch.empty((), dtype=torch.int64).random_(generator=probe)
+    return torch.equal(probe.get_state(), now)
 
 
 class _OnExhausted:
@@ -143,6 +197,8 @@ def _sampler_parent(dataloader: Any) -> tuple[Any, str] | None:
                 continue
             if isinstance(child, EpochStartRecorder) or isinstance(getattr(child, "generator", None), torch.Generator):
                 return obj, attr
+            if type(child) is torch.utils.data.RandomSampler and child.generator is None:
+                return obj, attr  # draws its seed from the global RNG each epoch
         nxt = getattr(obj, "batch_sampler", None)
         if nxt is None or nxt is obj:
             return None
@@ -198,6 +254,10 @@ def dataloader_resume_state(dataloader: Any) -> dict[str, Any]:
     recorder = getattr(*found) if found else None
     generator = _generator(dataloader)
     out: dict[str, Any] = {"iteration": int(getattr(dataloader, "iteration", 0))}
+    if generator is None and isinstance(recorder, EpochStartRecorder) and recorder.epoch_seed is not None:
+        if not bool(getattr(dataloader, "end_of_dataloader", False)):  # mid-epoch: the replay needs its seed
+            out["epoch_seed"] = recorder.epoch_seed
+        return out
     if generator is not None:
         finished = bool(getattr(dataloader, "end_of_dataloader", False)) or recorder.epoch_start_state is None
         # At an epoch boundary the next epoch draws from the generator as it is now.
@@ -214,6 +274,8 @@ def resume_state_mismatch(dataloader: Any, state: dict[str, Any]) -> str | None:
     """Why ``state`` cannot be applied to ``dataloader`` (``None`` when it can)."""
     if "generator_state" in state and (track_epoch_start(dataloader) is None or _generator(dataloader) is None):
         return "the checkpoint recorded a shuffling generator for it and this dataloader does not shuffle"
+    if "epoch_seed" in state and (track_epoch_start(dataloader) is None or _generator(dataloader) is not None):
+        return "the checkpoint recorded the seed of a shuffling sampler without a generator, and this dataloader has none"
     return None
 
 
@@ -232,6 +294,8 @@ def restore_dataloader_resume_state(dataloader: Any, state: dict[str, Any]) -> N
         raise CheckpointError(f"{reason}; prepare the same dataloaders (same `shuffle`) as the run that saved it.")
     if "iteration" in state and hasattr(dataloader, "iteration"):
         dataloader.iteration = int(state["iteration"])
+    if "epoch_seed" in state:
+        track_epoch_start(dataloader).replay_seed(int(state["epoch_seed"]), torch.get_rng_state())
     if "generator_state" not in state:
         return
     generator = _generator(dataloader)

@@ -34,6 +34,8 @@ def _shuffled(kind: str, seed: int = 9):
         return StatefulDataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seed))
     if kind == "random_sampler":
         return DataLoader(data, batch_size=2, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(seed)))
+    if kind == "no_generator":  # RandomSampler draws each epoch's seed from the global RNG
+        return DataLoader(data, batch_size=2, shuffle=True)
     return DataLoader(data, batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(seed))
 
 
@@ -85,6 +87,7 @@ def test_len_of_a_prepared_shuffled_dataloader_is_stock_accelerates(tmp_path):
 # -- 3. exact shuffled resume -------------------------------------------------------------------------------
 def _reference_and_resumed(tmp_path, kind: str, stock: bool, steps: int = 3):
     ckpt = str(tmp_path / f"{kind}-{stock}")
+    torch.manual_seed(0)  # a restarted script: the same global RNG for the plugin and for stock
     acc = _fresh_accelerator(stock, use_stateful_dataloader=True)
     dl = acc.prepare(_shuffled(kind))
     it = iter(dl)
@@ -99,10 +102,18 @@ def _reference_and_resumed(tmp_path, kind: str, stock: bool, steps: int = 3):
     return reference, resumed
 
 
-@pytest.mark.parametrize("kind", ["stateful", "random_sampler"])
+@pytest.mark.parametrize("kind", ["stateful", "random_sampler", "no_generator"])
 def test_shuffled_resume_is_exact(tmp_path, kind):
     reference, resumed = _reference_and_resumed(tmp_path, kind, stock=False)
     assert resumed == reference, "the batches after the resume differ from the uninterrupted run"
+
+
+def test_a_generator_less_shuffle_draws_like_stock_and_stock_does_not_resume_it(tmp_path):
+    """Without a generator the plugin draws each epoch's seed from the global RNG exactly as torch does
+    (same batches, same RNG consumption as stock), and records it; stock replays with a new seed."""
+    ours, stock = (_reference_and_resumed(tmp_path, "no_generator", stock=s) for s in (False, True))
+    assert ours[0] == stock[0], "the uninterrupted batches differ from stock's"
+    assert ours[1][: len(ours[0])] == ours[0] and stock[1][: len(stock[0])] != stock[0]
 
 
 def test_shuffled_resume_matches_stock_where_stock_is_exact(tmp_path):
