@@ -33,6 +33,8 @@ class Cell:
     distributed: str
     loader: str
     offload: bool
+    boundary: bool = False
+    """Save at the end of the first epoch instead of at step ``K`` (mid-epoch)."""
 
     @property
     def world_size(self) -> int:
@@ -40,7 +42,7 @@ class Cell:
 
     @property
     def id(self) -> str:
-        return f"{self.distributed}-{self.loader}{'-offload' if self.offload else ''}"
+        return f"{self.distributed}-{self.loader}{'-offload' if self.offload else ''}{'-boundary' if self.boundary else ''}"
 
 
 def _reset() -> None:
@@ -73,7 +75,8 @@ def _setup(cell: Cell, *, stock: bool, seed: int):
                                                           use_seedable_sampler=cell.loader == "seedable")
     plugin = MemSafePlugin(stages=[]) if stock else MemSafePlugin(optimizer_offload=cell.offload)
     acc = Accelerator(plugins=[plugin], **kwargs)
-    model = build_llama("tiny", seed=seed)
+    model = build_llama("tiny", seed=seed)  # a resume builds from another seed: load_state must overwrite it
+    set_seed(0)  # the script's seed again: accelerate seeds a seedable sampler from torch.random.initial_seed()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.randint(0, 256, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1234)))
     if cell.loader == "random_sampler_gen":
@@ -97,10 +100,11 @@ def _step(acc, model, opt, ids) -> float:
 
 
 def _train(cell: Cell, *, stock: bool, save: str | None = None, load: str | None = None) -> list[float]:
-    """Losses of the steps after step ``K`` (with ``load``: of a run resumed at step ``K``)."""
+    """Losses of the steps after the save (with ``load``: of a run resumed from it)."""
     acc, model, opt, dl = _setup(cell, stock=stock, seed=0 if load is None else 99)
     per_epoch = len(dl)
-    first_epoch, skip = (K // per_epoch, K % per_epoch) if load else (0, 0)
+    k = per_epoch if cell.boundary else K
+    first_epoch, skip = (k // per_epoch, k % per_epoch) if load else (0, 0)
     if load:
         acc.load_state(load)
     losses, step = [], first_epoch * per_epoch + skip
@@ -112,9 +116,9 @@ def _train(cell: Cell, *, stock: bool, save: str | None = None, load: str | None
         for (ids,) in batches:
             loss = _step(acc, model, opt, ids)
             step += 1
-            if step > K:
+            if step > k:
                 losses.append(loss)
-            if step == K and save:
+            if step == k and save:
                 acc.save_state(save)
     del acc, model, opt, dl
     _reset()
