@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: The message of every injected error, so that the tests can find it on the other rank.
@@ -71,7 +72,13 @@ def _linger(rank: int, world_size: int, key: str, linger_s: float) -> None:
         time.sleep(0.05)
 
 
-def _outcome(exc: BaseException | None, started: float) -> dict[str, Any]:
+def _outcome(call: Callable[[], Any]) -> dict[str, Any]:
+    """How ``call()`` ended: its wall time, and the error's type, message and memsafe fields if it raised."""
+    started, exc = time.monotonic(), None
+    try:
+        call()
+    except Exception as error:
+        exc = error
     out: dict[str, Any] = {"elapsed": time.monotonic() - started, "error": None}
     if exc is not None:
         out.update(error=type(exc).__name__, message=str(exc))
@@ -95,20 +102,10 @@ def fail_in_prepare(rank: int, world_size: int, *, failing_rank: int, stage: str
         _inject(stage, when)
     model = build_llama("tiny", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    started = time.monotonic()
-    try:
-        acc.prepare(model, opt)
-        out = _outcome(None, started)
-    except Exception as exc:
-        out = _outcome(exc, started)
+    out = _outcome(lambda: acc.prepare(model, opt))
     _linger(rank, world_size, "tests/prepare_ended", linger_s)
     if then_save is not None:
-        started = time.monotonic()
-        try:
-            acc.save_state(then_save)
-            out["next"] = _outcome(None, started)
-        except Exception as exc:
-            out["next"] = _outcome(exc, started)
+        out["next"] = _outcome(lambda: acc.save_state(then_save))
     return out
 
 
@@ -138,19 +135,8 @@ def caught_failure_then_next_hooks(rank: int, world_size: int, *, ckpt: str, lin
 
         DataLoaderResumeStage.run = run_once_failing
     out: dict[str, Any] = {}
-    started = time.monotonic()
-    try:
-        acc.save_state(ckpt)
-        out["failed_hook"] = _outcome(None, started)
-    except Exception as exc:
-        out["failed_hook"] = _outcome(exc, started)
+    out["failed_hook"] = _outcome(lambda: acc.save_state(ckpt))
     _linger(rank, world_size, "tests/failed_hook_ended", linger_s)
-    started = time.monotonic()
-    try:
-        acc.save_state(ckpt)
-        acc.load_state(ckpt)
-        out["next_hooks"] = _outcome(None, started)
-    except Exception as exc:
-        out["next_hooks"] = _outcome(exc, started)
+    out["next_hooks"] = _outcome(lambda: (acc.save_state(ckpt), acc.load_state(ckpt)))
     out["saved"] = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else None
     return out
