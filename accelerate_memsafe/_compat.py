@@ -6,6 +6,8 @@
 2. ``fsdp2_prepare_model(accelerator, model)`` reads a handful of attributes of the accelerator; we call
    it with a minimal view holding only those, so that our ``shard`` stage applies exactly accelerate's
    wrapping without its full-state-dict broadcast.
+3. torchdata's ``StatefulDataLoader.next_iter_state``: a state restored at an epoch boundary is dropped so
+   that the next epoch is built once (``start_next_epoch_fresh``).
 """
 
 from __future__ import annotations
@@ -365,3 +367,45 @@ def current_dispatch_modes() -> list[Any]:
         return list(_get_current_dispatch_mode_stack())
     except Exception:
         return []
+
+
+#: torchdata versions whose ``StatefulDataLoader.next_iter_state`` and single-process iterator state keys
+#: (``_num_yielded``, ``_sampler_iter_state``, ``_iterator_finished``, ``_dataset_state``) were tested.
+TESTED_TORCHDATA = (Version("0.10.0"), Version("0.12.0"))
+
+
+def start_next_epoch_fresh(dataloader: Any) -> bool:
+    """Makes a torchdata ``StatefulDataLoader`` restored from the state of a *finished* epoch begin its next
+    epoch as the uninterrupted run does: with one new iterator.
+
+    torchdata restores such a state by building an iterator for the finished epoch (which draws its base
+    seed and, for a stateful ``RandomSampler``, a permutation), replaying its sampler, then discarding it
+    and building the next one: draws the uninterrupted run never made, so the next epoch's order and the
+    global RNG after it differ. Here the pending state (the private ``next_iter_state``) is dropped, after
+    its dataset state (if any) was applied as torchdata would, so the next ``iter()`` is a plain new epoch.
+
+    Only the single-process iterator's state (``num_workers=0``) is handled; a worker-pool state is left to
+    torchdata. Outside the tested torchdata versions this warns and does nothing.
+
+    Returns:
+        Whether the pending state was dropped.
+    """
+    state = getattr(dataloader, "next_iter_state", None)
+    if not (isinstance(state, dict) and state.get("_iterator_finished") is True and "_num_yielded" in state
+            and "_sampler_iter_state" in state):
+        return False
+    import torchdata
+
+    if not _warn_untested("resume at an epoch boundary", {"torchdata": Version(torchdata.__version__.split("+")[0])},
+                          {"torchdata": TESTED_TORCHDATA},
+                          "The next epoch is left to torchdata's own restore, which may draw another order.",
+                          stacklevel=4):
+        return False
+    from torchdata.stateful_dataloader.stateful import Stateful
+    from torchdata.stateful_dataloader.stateful_dataloader import try_to_deserialize
+
+    if state.get("_dataset_state") is not None and isinstance(dataloader.dataset, Stateful):
+        try_to_deserialize(dataloader.dataset, state["_dataset_state"])
+    dataloader.next_iter_state = None
+    dataloader._iterator = None  # what `load_state_dict` sets: a fresh iterator at `iter()`
+    return True

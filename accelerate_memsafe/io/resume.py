@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import _compat
 from ..errors import CheckpointError
 
 
@@ -232,6 +233,13 @@ def _generator(dataloader: Any) -> torch.Generator | None:
     return getattr(recorder, "generator", None)
 
 
+def _iterating(dataloader: Any) -> bool:
+    """Whether ``dataloader`` is being iterated (between accelerate's ``begin()`` and ``end()``)."""
+    from accelerate.state import GradientState
+
+    return any(ref is dataloader for ref in getattr(GradientState(), "dataloader_references", ()))
+
+
 def _sampler_position_in_state(dataloader: Any) -> bool:
     """Whether accelerate's saved state of a torchdata dataloader restores the sampler's position itself
     (a stateful sampler under torchdata's ``BatchSampler``) rather than by replaying the epoch and skipping."""
@@ -253,17 +261,24 @@ def dataloader_resume_state(dataloader: Any) -> dict[str, Any]:
     found = _sampler_parent(dataloader)
     recorder = getattr(*found) if found else None
     generator = _generator(dataloader)
-    out: dict[str, Any] = {"iteration": int(getattr(dataloader, "iteration", 0))}
+    epoch_end = bool(getattr(dataloader, "end_of_dataloader", False))
+    iteration = int(getattr(dataloader, "iteration", 0))
+    if epoch_end and _iterating(dataloader):
+        iteration += 1  # saved at the last batch: the loop counts the epoch once it has yielded it
+    out: dict[str, Any] = {"iteration": iteration}
+    if epoch_end:
+        # The next `iter()` begins a new epoch (see `restore_dataloader_resume_state`).
+        out["epoch_end"] = True
     if generator is None and isinstance(recorder, EpochStartRecorder) and recorder.epoch_seed is not None:
-        if not bool(getattr(dataloader, "end_of_dataloader", False)):  # mid-epoch: the replay needs its seed
+        if not epoch_end:  # mid-epoch: the replay needs its seed
             out["epoch_seed"] = recorder.epoch_seed
         return out
     if generator is not None:
-        finished = bool(getattr(dataloader, "end_of_dataloader", False)) or recorder.epoch_start_state is None
+        finished = epoch_end or recorder.epoch_start_state is None
         # At an epoch boundary the next epoch draws from the generator as it is now.
         state = generator.get_state() if finished else recorder.epoch_start_state
         out["generator_state"] = state.clone()
-        if _sampler_position_in_state(dataloader) and not bool(getattr(dataloader, "end_of_dataloader", False)):
+        if _sampler_position_in_state(dataloader) and not epoch_end:
             # torchdata restores the sampler mid-epoch from its own state, rewinding the generator only to
             # the epoch start: the draws that followed (DataLoader's base seed) are not replayed.
             out["generator_state_after_epoch"] = generator.get_state().clone()
@@ -294,13 +309,19 @@ def restore_dataloader_resume_state(dataloader: Any, state: dict[str, Any]) -> N
         raise CheckpointError(f"{reason}; prepare the same dataloaders (same `shuffle`) as the run that saved it.")
     if "iteration" in state and hasattr(dataloader, "iteration"):
         dataloader.iteration = int(state["iteration"])
+    if state.get("epoch_end"):
+        # Saved once the epoch had been yielded: the next `iter()` is a new epoch, drawing (base seed, then
+        # permutation) from the generators as they were at the save, so torchdata must not replay the old one.
+        _compat.start_next_epoch_fresh(getattr(dataloader, "base_dataloader", dataloader))
     if "epoch_seed" in state:
         track_epoch_start(dataloader).replay_seed(int(state["epoch_seed"]), torch.get_rng_state())
     if "generator_state" not in state:
         return
     generator = _generator(dataloader)
     generator.set_state(state["generator_state"])
-    track_epoch_start(dataloader).replay_from(state["generator_state"])
+    if not state.get("epoch_end"):
+        # The epoch-start state was recorded when the sampler began, after the iterator's own draws.
+        track_epoch_start(dataloader).replay_from(state["generator_state"])
     if "generator_state_after_epoch" in state:
         track_epoch_start(dataloader).resume_after(state["generator_state_after_epoch"])
 

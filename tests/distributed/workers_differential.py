@@ -24,7 +24,7 @@ from typing import Any
 SEQ, SAMPLES, BATCH = 8, 24, 2
 #: Steps before the save (mid-epoch: 6 steps per epoch on 2 ranks) and epochs in all.
 K, EPOCHS = 4, 2
-LOADERS = ("shuffle", "random_sampler_gen", "stateful", "stateful_gen", "seedable")
+LOADERS = ("shuffle", "shuffle_gen", "random_sampler_gen", "stateful", "stateful_gen", "seedable")
 DISTRIBUTED = ("ddp", "fsdp2_full", "fsdp2_sharded", "single")
 
 
@@ -79,7 +79,9 @@ def _setup(cell: Cell, *, stock: bool, seed: int):
     set_seed(0)  # the script's seed again: accelerate seeds a seedable sampler from torch.random.initial_seed()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.randint(0, 256, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1234)))
-    if cell.loader == "random_sampler_gen":
+    if cell.loader == "shuffle_gen":  # the loader's generator is also the sampler's (base seed, then permutation)
+        dl = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7))
+    elif cell.loader == "random_sampler_gen":
         dl = DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(5)))
     elif cell.loader == "stateful_gen":
         from torchdata.stateful_dataloader import StatefulDataLoader
@@ -125,8 +127,29 @@ def _train(cell: Cell, *, stock: bool, save: str | None = None, load: str | None
     return losses
 
 
+def _digests(directory: str) -> dict[str, str]:
+    """Every file of a checkpoint directory (relative path) and the SHA-256 of its bytes; for a DCP
+    ``.metadata``, of its content without ``storage_meta`` (the directory and a random id of this save,
+    which differ between any two saves)."""
+    import hashlib
+    import pickle
+
+    out = {}
+    for d, _, files in os.walk(directory):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                data = fh.read()
+            if f == ".metadata":
+                metadata = pickle.loads(data)
+                metadata.storage_meta = None
+                data = pickle.dumps(metadata)
+            out[os.path.relpath(os.path.join(d, f), directory)] = hashlib.sha256(data).hexdigest()
+    return dict(sorted(out.items()))
+
+
 def run_cells(rank: int, world_size: int, *, cells: list[Cell], root: str) -> dict[str, dict[str, Any]]:
-    """Runs each cell's six trainings; returns, per cell id, the losses of each and the checkpoint files."""
+    """Runs each cell's six trainings; returns, per cell id, the losses of each and the checkpoint files
+    (with the digests of their bytes)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -141,7 +164,6 @@ def run_cells(rank: int, world_size: int, *, cells: list[Cell], root: str) -> di
             "plugin<-stock": _train(cell, stock=False, load=stock_ckpt),
             "stock<-plugin": _train(cell, stock=True, load=plugin_ckpt),
         }
-        result["files"] = {k: sorted(os.path.relpath(os.path.join(d, f), p) for d, _, fs in os.walk(p) for f in fs)
-                           for k, p in (("plugin", plugin_ckpt), ("stock", stock_ckpt))}
+        result["files"] = {k: _digests(p) for k, p in (("plugin", plugin_ckpt), ("stock", stock_ckpt))}
         out[cell.id] = result
     return out

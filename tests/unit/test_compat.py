@@ -27,3 +27,36 @@ def test_fsdp2_prepare_model_reads_only_what_the_view_provides():
     src = inspect.getsource(fsdp2_prepare_model)
     used = set(re.findall(r"accelerator\.(\w+)", src)) | set(re.findall(r"getattr\(accelerator, \"(\w+)\"", src))
     assert used <= {"state", "torch_device_mesh", "parallelism_config", "mixed_precision", "is_main_process", "device"}, used
+
+
+def test_start_next_epoch_fresh_drops_only_a_finished_single_process_state():
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dl = StatefulDataLoader(torch.arange(6), batch_size=2, shuffle=True)
+    it = iter(dl)
+    next(it)
+    mid = dl.state_dict()
+    list(it)
+    finished = dl.state_dict()
+    assert finished["_iterator_finished"] is True
+    dl.load_state_dict(mid)
+    assert not _compat.start_next_epoch_fresh(dl) and dl.next_iter_state is not None  # mid-epoch: torchdata's
+    dl.load_state_dict(finished)
+    assert _compat.start_next_epoch_fresh(dl) and dl.next_iter_state is None
+    assert len(list(dl)) == 3  # a whole new epoch, not the replayed one
+    assert not _compat.start_next_epoch_fresh(torch.utils.data.DataLoader(torch.arange(4)))
+
+
+def test_start_next_epoch_fresh_leaves_an_untested_torchdata_alone(monkeypatch):
+    import torch
+    import torchdata
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dl = StatefulDataLoader(torch.arange(4), batch_size=2)
+    list(dl)
+    dl.load_state_dict(dl.state_dict())
+    monkeypatch.setattr(torchdata, "__version__", "9.0.0")
+    with pytest.warns(UserWarning, match="torchdata >=0.10.0,<0.12.0; found torchdata 9.0.0"):
+        assert not _compat.start_next_epoch_fresh(dl)
+    assert dl.next_iter_state is not None

@@ -177,3 +177,38 @@ def test_load_state_with_dataloaders_prepared_in_another_order_loads_like_stock(
         outcome[stock] = (_epoch(evaluation), _epoch(train), [str(w.message) for w in caught])
     assert outcome[False][:2] == outcome[True][:2], "the plugin must load what stock accelerate loads"
     assert any("dataloader 0: not restoring" in m for m in outcome[False][2]), outcome[False][2]
+
+
+# -- 4. saves at an epoch boundary ----------------------------------------------------------------------------
+def _boundary_reference_and_resumed(tmp_path, kind: str, config: dict, where: str, stock: bool = False):
+    """Saved once epoch 0 has been yielded, ``where`` = "in" the loop (at its last batch) or "after" it; the
+    two epochs after it, and a draw of the global RNG after them (what dropout would see)."""
+    ckpt = str(tmp_path / f"{kind}-{where}-{stock}")
+
+    def fresh():
+        torch.manual_seed(0)
+        acc = _fresh_accelerator(stock, **config)
+        return acc, acc.prepare(_shuffled(kind))
+
+    acc, dl = fresh()
+    for _batch in dl:
+        if where == "in" and dl.end_of_dataloader:
+            acc.save_state(ckpt)
+    if where == "after":
+        acc.save_state(ckpt)
+    reference = _epoch(dl) + _epoch(dl) + [torch.rand(2).tolist()]
+    acc, dl = fresh()
+    acc.load_state(ckpt)
+    return reference, _epoch(dl) + _epoch(dl) + [torch.rand(2).tolist()]
+
+
+@pytest.mark.parametrize("where", ["in", "after"])
+@pytest.mark.parametrize(("kind", "config"), [
+    ("stateful", {"use_stateful_dataloader": True}),  # torchdata, the loader's generator is the sampler's
+    ("no_generator", {"use_stateful_dataloader": True}),  # torchdata's RandomSampler, base seed from the global RNG
+    ("plain", {"use_stateful_dataloader": False}),
+    ("plain", {"use_seedable_sampler": True}),  # the loop never calls set_epoch: accelerate's epoch count does
+])
+def test_a_save_at_an_epoch_boundary_resumes_exactly(tmp_path, kind, config, where):
+    reference, resumed = _boundary_reference_and_resumed(tmp_path, kind, config, where)
+    assert resumed == reference, "the epochs after the resume (or the global RNG after them) differ"
