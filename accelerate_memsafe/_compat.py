@@ -6,7 +6,9 @@
 2. ``fsdp2_prepare_model(accelerator, model)`` reads a handful of attributes of the accelerator; we call
    it with a minimal view holding only those, so that our ``shard`` stage applies exactly accelerate's
    wrapping without its full-state-dict broadcast.
-3. torchdata's ``StatefulDataLoader.next_iter_state``: a state restored at an epoch boundary is dropped so
+3. ``state.parallelism_config`` / ``state.device_mesh`` / ``ParallelismConfig._validate_accelerator``: set
+   after the CPU state was promoted to FSDP (``install_parallelism_config``).
+4. torchdata's ``StatefulDataLoader.next_iter_state``: a state restored at an epoch boundary is dropped so
    that the next epoch is built once (``start_next_epoch_fresh``).
 """
 
@@ -80,6 +82,22 @@ def promote_state_to_fsdp(fsdp_plugin: Any) -> None:
     state.fsdp_plugin = fsdp_plugin
     state.distributed_type = DistributedType.FSDP
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def install_parallelism_config(accelerator: Any, parallelism_config: Any) -> None:
+    """Gives a CPU FSDP2 accelerator (promoted by :func:`promote_state_to_fsdp`) accelerate's
+    ``ParallelismConfig``: its device mesh, built over gloo, and accelerate's own validation of it.
+
+    ``Accelerator.__init__`` validates a ``ParallelismConfig`` before the state can be promoted, and refuses
+    it for ``MULTI_CPU``; the face therefore builds the accelerator without it and installs it here, exactly
+    as ``Accelerator.__init__`` does once the state says FSDP (``state.parallelism_config``,
+    ``state.device_mesh``, ``ParallelismConfig._validate_accelerator``).
+    """
+    check_accelerate_version()
+    state = accelerator.state
+    state.parallelism_config = parallelism_config
+    state.device_mesh = parallelism_config.get_device_mesh(accelerator.device.type)
+    parallelism_config._validate_accelerator(accelerator)
 
 
 def reinit_state_on_cpu(fsdp_plugin: Any) -> None:

@@ -59,6 +59,16 @@ def _fsdp_plugin_from_env() -> Any:
     return FullyShardedDataParallelPlugin() if launch_env().use_fsdp else None
 
 
+def _parallelism_config_from_env() -> Any:
+    """accelerate's ``ParallelismConfig()`` (sizes from ``PARALLELISM_CONFIG_*``) when the launch asks for
+    one (``accelerate launch --use_parallelism_config``), as ``Accelerator.__init__`` builds it."""
+    if not launch_env().use_parallelism_config:
+        return None
+    from accelerate.parallelism_config import ParallelismConfig
+
+    return ParallelismConfig()
+
+
 @contextlib.contextmanager
 def _upstream_overrides(accelerator: Any, scratch: dict) -> Iterator[None]:
     """Temporary changes around accelerate's own ``save_state`` / ``load_state``, asked for by stages.
@@ -240,14 +250,19 @@ class Accelerator(MemSafeMixin, accelerate.Accelerator):
         if fsdp_plugin is None and _wants_cpu_fsdp2(None):
             fsdp_plugin = _fsdp_plugin_from_env()
         cpu_fsdp2 = _wants_cpu_fsdp2(fsdp_plugin)
+        parallelism_config = None
         if cpu_fsdp2:
             # Without cpu=True accelerate runs each process as a single-process job on a CPU-only machine.
             kwargs["cpu"] = True
             kwargs["fsdp_plugin"] = fsdp_plugin
+            # accelerate refuses a ParallelismConfig for a MULTI_CPU state: installed once the state is FSDP.
+            parallelism_config = kwargs.pop("parallelism_config", None) or _parallelism_config_from_env()
         super().__init__(*args, **kwargs)
         if cpu_fsdp2:
             unpin_cpu_offload(fsdp_plugin)
             _compat.promote_state_to_fsdp(fsdp_plugin)
+            if parallelism_config is not None:
+                _compat.install_parallelism_config(self, parallelism_config)
         self.memsafe_plugin = plugin
 
 

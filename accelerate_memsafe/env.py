@@ -37,6 +37,8 @@ class LaunchEnv:
     use_fsdp: bool
     fsdp_version: int
     use_cpu: bool
+    use_parallelism_config: bool = False
+    """``accelerate launch --use_parallelism_config`` (sizes in ``PARALLELISM_CONFIG_*``)."""
 
 
 def _flag(value: str | None) -> bool:
@@ -59,4 +61,5 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         use_fsdp=_flag(environ.get("ACCELERATE_USE_FSDP")),
         fsdp_version=int(environ.get("FSDP_VERSION", "1") or "1"),
         use_cpu=_flag(environ.get("ACCELERATE_USE_CPU")),
+        use_parallelism_config=_flag(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")),
     )

@@ -224,14 +224,22 @@ def move_to_meta(
     return originals
 
 
-def parallelism_blocks_meta_placement(mesh: Any, parallelism_config: Any) -> str | None:
-    """Why the rank-0 load does not apply (HSDP / TP / CP meshes), or ``None`` when it does."""
-    if mesh is not None and getattr(mesh, "ndim", 1) > 1:
-        return f"the device mesh has {mesh.ndim} dimensions (HSDP/TP); rank-0 distribution supports 1-D FSDP"
-    if parallelism_config is not None:
-        for attr in ("tp_size", "cp_size", "sp_size", "dp_replicate_size"):
-            if getattr(parallelism_config, attr, 1) not in (None, 1):
-                return f"parallelism_config.{attr}={getattr(parallelism_config, attr)}; rank-0 distribution supports 1-D FSDP"
+def parallelism_blocks_meta_placement(model: Any, parallelism_config: Any) -> str | None:
+    """Why the rank-0 load does not apply to this model and parallelism layout, or ``None`` when it does.
+
+    Any FSDP2 mesh applies (FSDP, HSDP, FSDP × TP, CP): ``rank0_distribute`` sends each rank the block its
+    placements give it. Declined: a model whose parameters are already DTensors (parallelised while
+    loading, e.g. transformers' ``tp_plan``: every rank already holds its own part), and DeepSpeed
+    sequence parallelism (not an FSDP2 layout).
+    """
+    from torch.distributed.tensor import DTensor
+
+    already = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None) if model is not None else None
+    if already is not None:
+        return (f"the model is already distributed (`{already}` is a DTensor, e.g. loaded with `tp_plan`): each rank "
+                "holds its own part, there is nothing for rank 0 to send")
+    if parallelism_config is not None and getattr(parallelism_config, "sp_size", 1) not in (None, 1):
+        return f"parallelism_config.sp_size={parallelism_config.sp_size} (DeepSpeed sequence parallelism) is not an FSDP2 layout"
     return None
 
 

@@ -1,11 +1,13 @@
 """Rank 0 sends every rank only its own shard of each parameter, in buckets, with a bounded prefetch.
 
-The model has been sharded with ``fully_shard`` while its parameters were on ``meta``; every rank knows
-the global shape, dtype and ``Shard(0)`` placement of every parameter, so every rank computes the same
-plan without communicating. Rank ``r`` owns rows ``[r·c, (r+1)·c)`` of a parameter with ``n`` rows
-(``c = ceil(n / world)``, ``torch.chunk`` semantics, trailing ranks may own nothing). A tensor is cut
-into *units*: unit ``k`` holds, for every rank, up to ``s`` rows of that rank's range, so a unit never
-exceeds the bucket budget even when one tensor is larger than it. Units are packed into buckets; for
+The model has been sharded with ``fully_shard`` (and possibly parallelised for TP) while its parameters
+were on ``meta``. Whatever the mesh (FSDP, HSDP, FSDP × TP) and placements (``Shard(d)`` on any dim,
+``_StridedShard``, ``Replicate``), each rank's local tensor is one block of the global tensor: an offset
+and a size per dimension, which DTensor reports without data (``__create_chunk_list__``, what DCP saves
+by). Every rank gathers every rank's blocks once, so every rank computes the same plan. Rank ``r`` owns
+rows ``[a_r, b_r)`` of its block (for 1-D FSDP, ``torch.chunk`` of dim 0), and within each row the columns
+of its block. A tensor is cut into *units*: unit ``k`` holds, for every rank, up to ``s`` rows of that
+rank's block, so a unit never exceeds the bucket budget even when one tensor is larger than it. Units are packed into buckets; for
 each bucket rank 0 reads the rows from the source, casts them to the parameter's dtype while copying
 them into one flat byte buffer per rank, and ``dist.scatter``\\s the buffers: each rank receives only its
 rows. Replicated tensors (persistent buffers, parameters FSDP ignores) are broadcast.
@@ -19,6 +21,7 @@ copies alive at once never exceed ``bucket_bytes``.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 from collections.abc import Iterator, Mapping
@@ -80,20 +83,24 @@ class Rank0Source:
     def is_meta(self, name: str) -> bool:
         return name not in self.from_checkpoint and self.tensors[name].is_meta
 
-    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor) -> None:
+    def read_rows(self, name: str, start: int, stop: int, out: torch.Tensor, cols: tuple[slice, ...] | None = None) -> None:
         """Copies rows ``[start, stop)`` of ``name`` into ``out``, casting to ``out.dtype`` on the way
-        (a 0-d tensor, e.g. a learned activation scalar, is its own single row)."""
+        (a 0-d tensor, e.g. a learned activation scalar, is its own single row). ``cols``: the slices of
+        the other dimensions to copy (a TP block), ``None`` for whole rows."""
         if out.dim() == 0:
             out = out.view(1)
         if name in self.from_checkpoint:
             entry = self.checkpoint.entries[name]
-            if entry.dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu":
+            if cols is not None:  # whole rows from the file, then the block's columns
+                out.copy_(self.checkpoint.read(name, start, stop)[(slice(None), *cols)])
+            elif entry.dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu":
                 self.checkpoint.read(name, start, stop, out=out)
             else:
                 out.copy_(self.checkpoint.read(name, start, stop))
             return
         t = self.tensors[name]
-        out.copy_(t[start:stop] if t.dim() else t)
+        src = t[start:stop] if t.dim() else t
+        out.copy_(src if cols is None else src[(slice(None), *cols)])
 
     def release(self, name: str) -> None:
         """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel."""
@@ -113,18 +120,36 @@ class Rank0Source:
 # ---------------------------------------------------------------------------------------------------
 # The plan (every rank computes the same one)
 # ---------------------------------------------------------------------------------------------------
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A rank's block of a tensor: the offset and the size in each dimension."""
+
+
 @dataclass
 class _Sharded:
     name: str
     param: Any  # DTensor
     dtype: torch.dtype
     shape: tuple[int, ...]
-    row_numel: int
-    ranges: list[tuple[int, int]]  # rows owned by each rank
+    boxes: list[Box] = field(default_factory=list)  # each rank's block
 
     @property
-    def row_bytes(self) -> int:
-        return self.row_numel * self.dtype.itemsize
+    def ranges(self) -> list[tuple[int, int]]:
+        """Rows (dim 0) of each rank's block."""
+        return [(o[0], o[0] + z[0]) for o, z in self.boxes]
+
+    def row_bytes(self, rank: int) -> int:
+        """Bytes of one row of ``rank``'s block."""
+        n = self.dtype.itemsize
+        for z in self.boxes[rank][1][1:]:
+            n *= z
+        return n
+
+    def cols(self, rank: int) -> tuple[slice, ...] | None:
+        """``rank``'s slices of dimensions 1.. (``None``: whole rows, as under FSDP alone)."""
+        offsets, sizes = self.boxes[rank]
+        if all(o == 0 and z == n for o, z, n in zip(offsets[1:], sizes[1:], self.shape[1:])):
+            return None
+        return tuple(slice(o, o + z) for o, z in zip(offsets[1:], sizes[1:]))
 
 
 @dataclass
@@ -155,6 +180,20 @@ def shard_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
     return min(rank * c, n), min((rank + 1) * c, n)
 
 
+def row_boxes(shape: tuple[int, ...], world_size: int) -> list[Box]:
+    """Each rank's block of a tensor sharded ``Shard(0)`` over a 1-D mesh of ``world_size`` ranks.
+
+    Example:
+        >>> row_boxes((5, 2), 2)
+        [((0, 0), (3, 2)), ((3, 0), (2, 2))]
+    """
+    out = []
+    for r in range(world_size):
+        a, b = shard_rows(shape[0], world_size, r)
+        out.append(((a, *(0 for _ in shape[1:])), (b - a, *shape[1:])))
+    return out
+
+
 def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> list[_Bucket]:
     """Cuts tensors into units and packs units into buckets.
 
@@ -176,15 +215,16 @@ def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> 
 
     per_rank = bucket_budget // world_size
     for item in items:
-        longest = max(b - a for a, b in item.ranges)
-        rows = max(1, (per_rank - _ALIGN) // max(1, item.row_bytes))
+        ranges = item.ranges
+        longest = max(b - a for a, b in ranges)
+        rows = max(1, (per_rank - _ALIGN) // max(1, max(item.row_bytes(r) for r in range(world_size))))
         k = 0
         while True:
             unit = []
-            for r, (a, b) in enumerate(item.ranges):
+            for r, (a, b) in enumerate(ranges):
                 s, e = min(a + k * rows, b), min(a + (k + 1) * rows, b)
                 if e > s:
-                    unit.append((r, s, e, _align((e - s) * item.row_bytes)))
+                    unit.append((r, s, e, _align((e - s) * item.row_bytes(r))))
             if any(used) and world_size * max(used[r] + (n if r == ur else 0) for r in range(world_size) for ur, _, _, n in unit) > bucket_budget:
                 close()
             for r, s, e, n in unit:
@@ -279,8 +319,8 @@ class DistributeStats:
     from_checkpoint: int = 0
 
 
-def _sharded_and_replicated(model: nn.Module, world_size: int) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
-    from torch.distributed.tensor import DTensor, Shard
+def _sharded_and_replicated(model: nn.Module) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
+    from torch.distributed.tensor import DTensor
 
     sharded: list[_Sharded] = []
     replicated: list[tuple[str, nn.Module, str, torch.Tensor, bool]] = []
@@ -292,20 +332,10 @@ def _sharded_and_replicated(model: nn.Module, world_size: int) -> tuple[list[_Sh
             seen.add(id(p))
             name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
             if isinstance(p, DTensor):
-                if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),) or p.device_mesh.size() != world_size:
-                    raise StageError(
-                        f"`rank0_distribute` supports parameters sharded as (Shard(0),) over a 1-D mesh of all "
-                        f"{world_size} ranks; `{name}` has placements {p.placements} on mesh {p.device_mesh}. "
-                        "HINT: remove `meta_placement` and `rank0_distribute` from the stages for HSDP/TP runs."
-                    )
                 if p.dim() == 0:
-                    raise StageError(f"`rank0_distribute`: 0-d parameter `{name}` cannot be sharded on dim 0.")
-                shape = tuple(p.shape)
-                row_numel = 1
-                for s in shape[1:]:
-                    row_numel *= s
-                ranges = [shard_rows(shape[0], world_size, r) for r in range(world_size)]
-                sharded.append(_Sharded(name, p, p.dtype, shape, row_numel, ranges))
+                    raise StageError(f"`rank0_distribute`: 0-d parameter `{name}` is a DTensor ({p.placements}); "
+                                     "only tensors with at least one dimension can be sharded.")
+                sharded.append(_Sharded(name, p, p.dtype, tuple(p.shape)))
             elif p.is_meta:
                 replicated.append((name, mod, local, p, True))
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -367,6 +397,47 @@ def follow_rank0_layout(
     return [by_name[n] for k, n, _, _ in ref if k == "s"], [rep_by_name[n] for k, n, _, _ in ref if k == "r"]
 
 
+def _own_box(param: Any) -> Box | str:
+    """This rank's block of a DTensor (from its placements, no data needed), or why it is not one block."""
+    chunks = param.__create_chunk_list__()
+    if len(chunks) != 1:
+        return f"its local tensor is {len(chunks)} blocks of the global one ({param.placements})"
+    offsets, sizes = tuple(int(x) for x in chunks[0].offsets), tuple(int(x) for x in chunks[0].sizes)
+    if tuple(param.to_local().shape) != sizes:
+        return f"its local tensor has shape {tuple(param.to_local().shape)}, its placements say {sizes}"
+    return offsets, sizes
+
+
+def gather_boxes(sharded: list[_Sharded], coll: Collectives) -> None:
+    """Fills every item's ``boxes`` with every rank's block: one all-gather, so that every rank plans the
+    same buckets. Checks that the blocks lie inside the tensor and cover it.
+
+    Raises:
+        StageError: On every rank, naming the tensor and the rank whose block is not usable.
+    """
+    own = [_own_box(i.param) for i in sharded]
+    everyone = coll.all_gather_object(own, what="all_gather of each rank's blocks of the sharded parameters")
+    problems = []
+    for k, item in enumerate(sharded):
+        boxes = [everyone[r][k] for r in range(coll.world_size)]
+        bad = [(r, b) for r, b in enumerate(boxes) if isinstance(b, str)]
+        if bad:
+            problems.append(f"`{item.name}` on rank {bad[0][0]}: {bad[0][1]}")
+            continue
+        outside = [r for r, (o, z) in enumerate(boxes) if len(o) != len(item.shape)
+                   or any(a < 0 or a + n > d for a, n, d in zip(o, z, item.shape))]
+        volume = sum(math.prod(z) for o, z in set(boxes))
+        if outside or volume != math.prod(item.shape):
+            problems.append(f"`{item.name}` {item.shape}: the ranks' blocks {sorted(set(boxes))} do not tile it")
+            continue
+        item.boxes = boxes
+    if problems:
+        raise StageError(
+            f"`rank0_distribute` cannot place {len(problems)} parameter(s): {'; '.join(problems[:5])}. HINT: remove "
+            "`meta_placement` and `rank0_distribute` from the stages for this parallelism layout, and report it."
+        )
+
+
 def materialize_meta_shards(model: nn.Module, device: torch.device) -> None:
     """Allocates (uninitialised) local storage for every sharded parameter still on ``meta``, keeping
     parameter identity (FSDP2's ``_apply`` re-pads the sharded parameters). Only local shards are
@@ -412,7 +483,7 @@ def distribute_from_rank0(
         >>> #                       prefetch_buckets=2, device=torch.device("cpu"))
     """
     rank, world = coll.rank, coll.world_size
-    sharded, replicated = _sharded_and_replicated(model, world)
+    sharded, replicated = _sharded_and_replicated(model)
     problem = None
     if rank == 0:
         missing = [n for n, *_ in replicated if n not in source.tensors] + [i.name for i in sharded if i.name not in source.tensors]
@@ -425,6 +496,7 @@ def distribute_from_rank0(
                 "(load them there, e.g. with `accelerate_memsafe.from_pretrained`)."
             )
     sharded, replicated = follow_rank0_layout(sharded, replicated, coll, rank0_problem=problem)
+    gather_boxes(sharded, coll)
     budget = max(_ALIGN * world, bucket_bytes // (prefetch_buckets + 2))
     stats = DistributeStats(sharded_tensors=len(sharded), replicated_tensors=len(replicated), bucket_budget=budget)
     if rank == 0:
@@ -435,11 +507,10 @@ def distribute_from_rank0(
     with torch.no_grad():
         locals_ = {i.name: i.param.to_local() for i in sharded}
         for item in sharded:
-            a, b = item.ranges[rank]
-            if locals_[item.name].shape[0] != b - a:
+            if tuple(locals_[item.name].shape) != item.boxes[rank][1]:
                 raise StageError(
-                    f"`{item.name}`: FSDP2 gave rank {rank} {locals_[item.name].shape[0]} rows, the plan expected "
-                    f"{b - a} (torch.chunk of {item.shape[0]} rows over {world} ranks). Please report this."
+                    f"`{item.name}`: rank {rank}'s local shard has shape {tuple(locals_[item.name].shape)} after "
+                    f"materialisation, its placements say {item.boxes[rank][1]}. Please report this."
                 )
 
         def unpack(bucket: _Bucket, buf: torch.Tensor) -> None:
@@ -449,7 +520,8 @@ def distribute_from_rank0(
                 item = piece.item
                 n = piece.stop - piece.start
                 a = item.ranges[rank][0]
-                src = buf[piece.offset : piece.offset + n * item.row_bytes].view(item.dtype).view(n, *item.shape[1:])
+                block = item.boxes[rank][1][1:]
+                src = buf[piece.offset : piece.offset + n * item.row_bytes(rank)].view(item.dtype).view(n, *block)
                 locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
 
         if rank == 0:
@@ -459,9 +531,9 @@ def distribute_from_rank0(
                 for piece in bucket.pieces:
                     item = piece.item
                     n = piece.stop - piece.start
-                    out = slots[piece.rank][piece.offset : piece.offset + n * item.row_bytes]
-                    out = out.view(item.dtype).view(n, *item.shape[1:])
-                    source.read_rows(item.name, piece.start, piece.stop, out)
+                    out = slots[piece.rank][piece.offset : piece.offset + n * item.row_bytes(piece.rank)]
+                    out = out.view(item.dtype).view(n, *item.boxes[piece.rank][1][1:])
+                    source.read_rows(item.name, piece.start, piece.stop, out, item.cols(piece.rank))
                     if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
                         raise CheckpointError(
                             f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "

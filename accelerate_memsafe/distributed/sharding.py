@@ -10,8 +10,11 @@ import torch
 from .. import _compat
 
 
-def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None) -> str | None:
+def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, parallelism_config: Any = None) -> str | None:
     """Why an FSDP2 prepare stage has nothing to do (``None``: it applies).
+
+    Tensor parallelism (``tp_size > 1``) is left to accelerate: its ``prepare`` applies the TP layout
+    before ``fully_shard``, which the ``shard`` stage would otherwise apply first.
 
     Example:
         >>> fsdp2_prepare_skip_reason(is_fsdp2=False, model=None)
@@ -25,6 +28,10 @@ def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None) 
 
     if isinstance(model, FSDPModule):
         return "model is already sharded"
+    tp = getattr(parallelism_config, "tp_size", 1) or 1
+    if tp > 1:
+        return (f"tensor parallelism (parallelism_config.tp_size={tp}): accelerate applies the TP layout before "
+                "fully_shard, so its own prepare loads and shards this model")
     return None
 
 

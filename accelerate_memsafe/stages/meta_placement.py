@@ -41,12 +41,13 @@ class MetaPlacementStage(Stage):
     summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model)
+        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
+                                           parallelism_config=ctx.scratch.get("parallelism_config"))
         if reason:
             return skipped(reason)
         if ctx.world_size < 2:
             return skipped("single process: nothing to distribute")
-        why = parallelism_blocks_meta_placement(ctx.mesh, ctx.scratch.get("parallelism_config"))
+        why = parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
         if why:
             return skipped(why)
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)

@@ -17,7 +17,8 @@ class ShardStage(Stage):
     summary = "apply fully_shard with accelerate's policy; remap optimizers"
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model)
+        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
+                                           parallelism_config=ctx.scratch.get("parallelism_config"))
         if reason:
             return skipped(reason)
         ctx.model = shard_model(

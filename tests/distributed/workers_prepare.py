@@ -76,8 +76,9 @@ def batch(vocab: int, seed: int = 1234) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 12), generator=g)
 
 
-def _accelerator(plugin_kwargs: dict, *, mixed_precision: str = "no", cpu_offload: bool = False, efficient: bool = True):
-    from accelerate.utils import FullyShardedDataParallelPlugin
+def _accelerator(plugin_kwargs: dict, *, mixed_precision: str = "no", cpu_offload: bool = False, efficient: bool = True,
+                 parallelism: dict | None = None):
+    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
 
     from accelerate_memsafe import Accelerator, MemSafePlugin
 
@@ -88,7 +89,8 @@ def _accelerator(plugin_kwargs: dict, *, mixed_precision: str = "no", cpu_offloa
         kwargs["cpu_offload"] = CPUOffloadPolicy(pin_memory=False)
     fsdp_plugin = FullyShardedDataParallelPlugin(**kwargs)
     plugin = MemSafePlugin(**plugin_kwargs)
-    acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision)
+    extra = {"parallelism_config": ParallelismConfig(**parallelism)} if parallelism else {}
+    acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mixed_precision, **extra)
     return acc, plugin
 
 
@@ -120,15 +122,20 @@ def prepare_llama(
     cpu_offload: bool = False,
     efficient: bool = True,
     track: bool = False,
+    parallelism: dict | None = None,
+    full: bool = False,
 ) -> dict[str, Any]:
     """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
-    what the live-tensor tracker saw during ``prepare``."""
+    what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
+    ``ParallelismConfig`` sizes) and, with ``full``, each parameter's names whose full tensor differs from
+    a single-process ``from_pretrained`` of the same checkpoint."""
     from transformers import AutoModelForCausalLM
 
     import accelerate_memsafe
     from accelerate_memsafe.memory.tracker import LiveTensorTracker
 
-    acc, plugin = _accelerator(plugin_kwargs or {}, mixed_precision=mixed_precision, cpu_offload=cpu_offload, efficient=efficient)
+    acc, plugin = _accelerator(plugin_kwargs or {}, mixed_precision=mixed_precision, cpu_offload=cpu_offload, efficient=efficient,
+                               parallelism=parallelism)
     torch_dtype = getattr(torch, dtype)
     if loader == "memsafe":
         model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch_dtype)
@@ -157,6 +164,11 @@ def prepare_llama(
     else:
         model, opt = acc.prepare(model, opt)
     out = _describe(model)
+    if full:  # every rank ends with rank 0's (here: the file's) weights, whatever the mesh
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).state_dict()
+        out["differs_from_single_process"] = [n for n, p in model.named_parameters()
+                                              if not torch.equal(p.full_tensor(), reference[n])]
+        out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
     tied = getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight
     opt_ok = all(any(q is p for p in model.parameters()) for g in opt.param_groups for q in g["params"])
     ids = batch(model.config.vocab_size)

@@ -53,17 +53,25 @@ def test_move_to_meta_adopts_rank0_requires_grad():
     assert not model.emb.weight.requires_grad and model.head.weight is model.emb.weight
 
 
-def test_hsdp_and_tp_are_declined_with_a_reason():
-    class Mesh:
-        ndim = 2
-
-    assert "2 dimensions" in parallelism_blocks_meta_placement(Mesh(), None)
-
+def test_any_fsdp2_mesh_applies_and_already_distributed_models_are_declined_with_a_reason():
     class PC:
-        tp_size = 2
+        tp_size, dp_replicate_size, sp_size = 2, 2, 1
 
-    assert "tp_size=2" in parallelism_blocks_meta_placement(None, PC())
-    assert parallelism_blocks_meta_placement(None, None) is None
+    assert parallelism_blocks_meta_placement(nn.Linear(2, 2), PC()) is None  # HSDP / TP layouts are distributed
+    assert parallelism_blocks_meta_placement(nn.Linear(2, 2), None) is None
+    PC.sp_size = 2
+    assert "sp_size=2" in parallelism_blocks_meta_placement(nn.Linear(2, 2), PC())
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Replicate
+
+    from tests.spawn import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    model = nn.Linear(2, 2)  # parallelised while loading: its parameters are DTensors
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), init_device_mesh("cpu", (1,)), [Replicate()]))
+    assert "already distributed (`weight` is a DTensor" in parallelism_blocks_meta_placement(model, None)
 
 
 def _ctx(**kw):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from accelerate_memsafe.distributed.scatter import BoundedPrefetcher, Rank0Source, _Sharded, plan_buckets, shard_rows
+from accelerate_memsafe.distributed.scatter import BoundedPrefetcher, Rank0Source, _Sharded, plan_buckets, row_boxes, shard_rows
 
 
 @pytest.mark.parametrize("n,world", [(5, 2), (1, 2), (7, 4), (8, 4), (3, 4), (0, 2)])
@@ -21,10 +21,15 @@ def test_shard_rows_follow_torch_chunk(n, world):
 
 
 def _item(name, shape, world, dtype=torch.float32):
-    row = 1
-    for s in shape[1:]:
-        row *= s
-    return _Sharded(name, None, dtype, shape, row, [shard_rows(shape[0], world, r) for r in range(world)])
+    return _Sharded(name, None, dtype, shape, row_boxes(shape, world))
+
+
+def _tp_item(name, shape, dtype=torch.float32):
+    """4 ranks, FSDP 2 x TP 2 on a row-parallel weight: (Shard(0) over dp, Shard(1) over tp)."""
+    r0, r1 = shard_rows(shape[0], 2, 0), shard_rows(shape[0], 2, 1)
+    c0, c1 = shard_rows(shape[1], 2, 0), shard_rows(shape[1], 2, 1)
+    boxes = [((r[0], c[0]), (r[1] - r[0], c[1] - c[0])) for r in (r0, r1) for c in (c0, c1)]
+    return _Sharded(name, None, dtype, shape, boxes)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -38,9 +43,9 @@ def test_plan_covers_every_row_once_and_respects_the_budget(world):
         ends = {}
         for p in b.pieces:
             assert p.offset % 16 == 0
-            assert p.offset + (p.stop - p.start) * p.item.row_bytes <= b.slot_bytes
+            assert p.offset + (p.stop - p.start) * p.item.row_bytes(p.rank) <= b.slot_bytes
             seen[(p.item.name, p.rank)].extend(range(p.start, p.stop))
-            ends.setdefault(p.rank, []).append((p.offset, p.offset + (p.stop - p.start) * p.item.row_bytes))
+            ends.setdefault(p.rank, []).append((p.offset, p.offset + (p.stop - p.start) * p.item.row_bytes(p.rank)))
         for spans in ends.values():  # pieces of one rank never overlap
             spans.sort()
             assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
@@ -50,6 +55,28 @@ def test_plan_covers_every_row_once_and_respects_the_budget(world):
             assert seen[(it.name, r)] == list(range(a, b)), (it.name, r)
     assert [n for b in buckets for n in b.last_of] == [it.name for it in items]
     assert len(buckets) > 5, "a tensor larger than the budget is cut into units"
+
+
+def test_plan_of_blocks_sends_each_rank_its_rows_and_columns():
+    """FSDP x TP: a rank's block is some rows *and* some columns; each piece holds that rank's columns only."""
+    items = [_tp_item("row_parallel", (37, 11)), _tp_item("small", (3, 5), torch.bfloat16)]
+    buckets = plan_buckets(items, 4, 1024)
+    full = {it.name: torch.arange(it.shape[0] * it.shape[1], dtype=torch.float32).view(it.shape).to(it.dtype) for it in items}
+    src = Rank0Source(full)
+    got = {(it.name, r): torch.zeros(it.boxes[r][1], dtype=it.dtype) for it in items for r in range(4)}
+    for b in buckets:
+        assert 4 * b.slot_bytes <= 1024
+        for p in b.pieces:
+            it, n = p.item, p.stop - p.start
+            out = torch.empty(n, *it.boxes[p.rank][1][1:], dtype=it.dtype)
+            src.read_rows(it.name, p.start, p.stop, out, it.cols(p.rank))
+            a = it.ranges[p.rank][0]
+            got[(it.name, p.rank)][p.start - a : p.stop - a] = out
+    for it in items:
+        for r in range(4):
+            (o0, o1), (z0, z1) = it.boxes[r]
+            assert torch.equal(got[(it.name, r)], full[it.name][o0 : o0 + z0, o1 : o1 + z1]), (it.name, r)
+    assert _item("w", (4, 6), 2).cols(0) is None and items[0].cols(1) == (slice(6, 11),)
 
 
 def test_prefetcher_keeps_at_most_max_alive_results():

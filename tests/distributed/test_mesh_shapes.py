@@ -1,0 +1,57 @@
+"""Rank-0 load on 2-D meshes (issue 13), 4 gloo processes: HSDP 2 x 2 through ``Accelerator`` with
+accelerate's ``ParallelismConfig`` (which stock accelerate refuses on a CPU), and FSDP 2 x TP 2 with torch's
+TP layout through ``distribute_from_rank0``. Every rank ends bitwise with the single-process weights and
+receives only its own block."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import workers_mesh, workers_prepare
+from tests.spawn import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def small_llama_dir(tmp_path_factory):
+    from accelerate_memsafe.models import save_llama
+
+    return save_llama(tmp_path_factory.mktemp("small-llama"), "small")
+
+
+def test_hsdp_2x2_rank0_load_is_bitwise_a_single_process_load(small_llama_dir):
+    results = run_on_ranks(
+        workers_prepare.prepare_llama, 4, init_process_group=False, timeout=240, model_dir=str(small_llama_dir),
+        track=True, full=True, parallelism={"dp_replicate_size": 2, "dp_shard_size": 2},
+        plugin_kwargs={"bucket_bytes": 256 * 1024},
+    )
+    total = sum(4 * _numel(s) for s in results[0]["full_shapes"].values())
+    for rank, res in enumerate(results):
+        assert res["differs_from_single_process"] == [], f"rank {rank}"
+        assert set(res["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
+        ran = {r["stage"]: r for r in res["report"]["records"] if r["rank"] == rank}
+        assert all(ran[s]["status"] == "ran" for s in ("meta_placement", "shard", "rank0_distribute", "buffer_init"))
+        if rank:
+            full = {s for s in res["full_shapes"].values() if s[0] >= 2}
+            assert [a for a in res["allocs"] if a[1] in full] == [], f"rank {rank} allocated a full-size parameter"
+            received = ran["rank0_distribute"]["details"]["bytes_received"]
+            # its HSDP share (half the model: one of 2 shards) and no more, up to uneven rows and alignment
+            assert total / 2 <= received <= total / 2 * 1.05 + 16 * 1024, (received, total)
+    assert results[0]["loss"] == results[1]["loss"] == results[2]["loss"] == results[3]["loss"]
+
+
+def test_fsdp_x_tp_2x2_rank0_distribution_fills_every_block(tmp_path):
+    results = run_on_ranks(workers_mesh.tp_distribute, 4, timeout=180, bucket_bytes=8 * 1024)
+    placements = results[0]["placements"]
+    assert "_StridedShard" in placements["blocks.0.up.weight"] and "Shard(dim=1)" in placements["blocks.0.down.weight"]
+    for rank, res in enumerate(results):
+        assert res["differs"] == [], f"rank {rank}"
+        assert res["buckets"] > 3, "the bucket budget cuts the tensors into several scatters"
+        if rank:  # its own block of each tensor (uneven blocks: up to the largest rank's), nothing else
+            assert res["local_bytes"] <= res["bytes_received"] <= 1.3 * res["local_bytes"] + 16 * 64, res
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,65 @@
+"""Workers for tests/distributed/test_mesh_shapes.py (module level so that spawn can pickle them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """An attention-free transformer block: a column-parallel and a row-parallel projection."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+
+
+class TpModel(nn.Module):
+    """Odd sizes everywhere: uneven row and column blocks on a 2 x 2 mesh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(67, 14)
+        self.blocks = nn.ModuleList(Block(14, 37) for _ in range(2))
+        self.head = nn.Linear(14, 67, bias=False)
+
+
+def tp_distribute(rank: int, world_size: int, *, bucket_bytes: int) -> dict[str, Any]:
+    """FSDP 2 x TP 2 from rank 0, with torch's own TP layout (``parallelize_module``: colwise ``up``,
+    rowwise ``down``, so FSDP2 shards TP-sharded dim 0 as ``_StridedShard``): the non-zero ranks build on
+    meta, ``rank0_distribute`` fills every rank's block. Returns the names whose full tensor differs from
+    rank 0's model, the placements, and the bytes received."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from accelerate_memsafe.distributed.collectives import Collectives
+    from accelerate_memsafe.distributed.meta import agree_on_structure, move_to_meta
+    from accelerate_memsafe.distributed.scatter import Rank0Source, distribute_from_rank0
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    torch.manual_seed(0)
+    reference = {k: v.clone() for k, v in TpModel().state_dict().items()}
+    if rank == 0:
+        torch.manual_seed(0)
+        model = TpModel()
+    else:
+        with torch.device("meta"):
+            model = TpModel()
+    coll = Collectives("rank0_distribute", timeout_s=60)
+    originals = move_to_meta(model, [], agree_on_structure(model, coll), keep=rank == 0)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    stats = distribute_from_rank0(model, Rank0Source(originals) if rank == 0 else None, coll=coll,
+                                  bucket_bytes=bucket_bytes, prefetch_buckets=1, device=torch.device("cpu"))
+    differs = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), reference[n])]
+    local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return {"differs": differs, "placements": {n: str(p.placements) for n, p in model.named_parameters()},
+            "bytes_received": stats.bytes_received, "local_bytes": local, "buckets": stats.buckets}
