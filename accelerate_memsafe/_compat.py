@@ -100,6 +100,22 @@ def install_parallelism_config(accelerator: Any, parallelism_config: Any) -> Non
     parallelism_config._validate_accelerator(accelerator)
 
 
+@contextlib.contextmanager
+def parallelism_env_hidden(hide: bool) -> Iterator[None]:
+    """Hides ``ACCELERATE_USE_PARALLELISM_CONFIG`` (``accelerate launch --use_parallelism_config``) while
+    ``Accelerator.__init__`` runs, which would otherwise build and validate its own ``ParallelismConfig``
+    for the ``MULTI_CPU`` state; :func:`install_parallelism_config` installs it afterwards."""
+    import os
+
+    key = "ACCELERATE_USE_PARALLELISM_CONFIG"
+    saved = os.environ.pop(key, None) if hide else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[key] = saved
+
+
 def reinit_state_on_cpu(fsdp_plugin: Any) -> None:
     """Re-initialises a single-process (``NO``) accelerate state as a gloo ``MULTI_CPU`` state, then FSDP.
 

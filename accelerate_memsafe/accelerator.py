@@ -257,7 +257,8 @@ class Accelerator(MemSafeMixin, accelerate.Accelerator):
             kwargs["fsdp_plugin"] = fsdp_plugin
             # accelerate refuses a ParallelismConfig for a MULTI_CPU state: installed once the state is FSDP.
             parallelism_config = kwargs.pop("parallelism_config", None) or _parallelism_config_from_env()
-        super().__init__(*args, **kwargs)
+        with _compat.parallelism_env_hidden(parallelism_config is not None):
+            super().__init__(*args, **kwargs)
         if cpu_fsdp2:
             unpin_cpu_offload(fsdp_plugin)
             _compat.promote_state_to_fsdp(fsdp_plugin)

@@ -112,17 +112,25 @@ def distributed(args: argparse.Namespace, workdir: Path) -> dict:
 
     world = accelerator.num_processes
     sharding = []
+    loaded = load_model(args, workdir).state_dict()  # what a single process holds: every rank must end with it
+    differs = []
     for name, p in model.named_parameters():
         full = p.numel()
         local = p.to_local().numel() if isinstance(p, DTensor) else full
+        if not torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, loaded[name]):
+            differs.append(name)
         sharding.append(
             {
                 "name": name,
                 "dtensor": isinstance(p, DTensor),
                 "shard0": isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),),
+                "placements": str(p.placements) if isinstance(p, DTensor) else None,
                 "local_fraction": local / full,
+                "numel": full,
             }
         )
+    del loaded
+    mesh = accelerator.torch_device_mesh
 
     losses = []
     batches = iter(data)
@@ -154,6 +162,8 @@ def distributed(args: argparse.Namespace, workdir: Path) -> dict:
         "world_size": world,
         "distributed_type": str(accelerator.distributed_type),
         "sharding": sharding,
+        "differs_from_single_process": accelerator.gather_for_metrics([differs], use_gather_object=True),
+        "mesh": None if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape)),
         "state_changed_by_extra_step": changed,
         "roundtrip_mismatches": mismatched,
         "roundtrip_tensors": len(before),

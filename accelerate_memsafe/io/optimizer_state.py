@@ -88,31 +88,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
-def _shard_rows(param: torch.Tensor) -> tuple[int, int] | None:
-    """The rows ``[start, stop)`` of the full tensor held by this rank for a DTensor parameter sharded on
-    dim 0 of a 1-D mesh (``torch.chunk`` layout, as FSDP2 uses); ``None`` for a replicated one."""
-    from torch.distributed.tensor import Replicate, Shard
+Block = tuple[tuple[int, int], tuple[slice, ...] | None]
+"""A rank's block of a full tensor: its rows ``[start, stop)`` and the slices of the other dimensions
+(``None``: whole rows)."""
 
-    placements = tuple(param.placements)
-    if all(isinstance(p, Replicate) for p in placements):
+
+def _shard_block(param: torch.Tensor) -> Block | None:
+    """The block of the full tensor this rank holds for a DTensor parameter, from its placements (FSDP,
+    HSDP, TP: DTensor reports it without data, as DCP saves by); ``None`` for a replicated one."""
+    from torch.distributed.tensor import Replicate
+
+    if all(isinstance(p, Replicate) for p in param.placements):
         return None
-    if len(placements) != 1 or not (isinstance(placements[0], Shard) and placements[0].dim == 0):
+    chunks = param.__create_chunk_list__()
+    local = tuple(_local(param).shape)
+    if len(chunks) != 1 or tuple(chunks[0].sizes) != local:
         raise CheckpointError(
-            f"cannot read a full optimizer state into a parameter with placements {placements}; only "
-            "`Shard(0)` on a 1-D mesh (FSDP2's default) and `Replicate` are supported. HINT: save with "
-            "`SHARDED_STATE_DICT` (read through torch.distributed.checkpoint) for other layouts."
+            f"cannot read a full optimizer state into a parameter with placements {tuple(param.placements)}: its local "
+            f"tensor {local} is not one block of the full one. HINT: save with `SHARDED_STATE_DICT` (read through "
+            "torch.distributed.checkpoint) for this layout."
         )
-    mesh = param.device_mesh
-    n, ws, rank = param.shape[0], mesh.size(), mesh.get_local_rank()
-    chunk = -(-n // ws)
-    start = min(rank * chunk, n)
-    stop = min(start + chunk, n)
-    local_rows = _local(param).shape[0] if _local(param).dim() else 0
-    if stop - start != local_rows:
-        raise CheckpointError(
-            f"unexpected FSDP2 layout: rank {rank} holds {local_rows} of {n} rows, torch.chunk gives {stop - start}."
-        )
-    return start, stop
+    offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    rows = (int(offsets[0]), int(offsets[0] + sizes[0]))
+    whole = all(o == 0 and z == n for o, z, n in zip(offsets[1:], sizes[1:], param.shape[1:]))
+    return rows, None if whole else tuple(slice(int(o), int(o + z)) for o, z in zip(offsets[1:], sizes[1:]))
 
 
 @dataclass
@@ -123,7 +122,7 @@ class _Item:
     dtype: torch.dtype
     device: torch.device
     existing: torch.Tensor | None
-    rows: tuple[int, int] | None = None
+    block: Block | None = None
 
 
 @dataclass
@@ -153,7 +152,7 @@ class OptimizerLoadPlan:
 
 
 def _numel(item: _Item) -> int:
-    if item.rows is not None or _is_dtensor(item.param):
+    if item.block is not None or _is_dtensor(item.param):
         if len(_shape(item.saved)) == 0:
             return 1
         return _local(item.param).numel()
@@ -343,10 +342,10 @@ def plan_optimizer_load(
                         continue  # non-tensor state is kept from the structure (see execute)
                     _check_shape(path, str(pid), key, tuple(saved.shape), param)
                     _check_in_file(path, size, f"state.{pid}.{key}", saved)
-                    rows = _shard_rows(param) if _is_dtensor(param) and saved.dim() else None
+                    block = _shard_block(param) if _is_dtensor(param) and saved.dim() else None
                     dtype, device = _target_spec(optimizer, group, param, key, saved, offload=offload)
                     existing = optimizer.state.get(param, {}).get(key)
-                    plan.items.append(_Item(param, key, saved, dtype, device, _reusable(existing, param, saved, dtype, device), rows))
+                    plan.items.append(_Item(param, key, saved, dtype, device, _reusable(existing, param, saved, dtype, device), block))
         _plan_group_tensors(plan, size)
         plan.structure = structure
     elif kind == "dcp":
@@ -447,22 +446,26 @@ class _FileReader:
         self.f.close()
         self.mmapped = None
 
-    def read_into(self, saved: torch.Tensor, dst: torch.Tensor, rows: tuple[int, int] | None) -> int:
-        """Reads ``saved`` (rows ``rows`` of dim 0 if given) into ``dst``; returns bytes read."""
+    def read_into(self, saved: torch.Tensor, dst: torch.Tensor, block: Block | None) -> int:
+        """Reads ``saved`` (this rank's block of it, if given) into ``dst``; returns bytes read. A block
+        that is not whole rows (TP) is read as its whole rows, then sliced."""
+        rows, cols = block if block is not None else (None, None)
         offset = _compat.checkpoint_file_offset(saved)
         if offset is None or not saved.is_contiguous():
             return self._read_mmapped(saved, dst, rows)
         itemsize = saved.dtype.itemsize
         start = saved.storage_offset() + (rows[0] * saved.stride(0) if rows else 0)
-        numel = dst.numel()
-        direct = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == saved.dtype
+        numel = dst.numel() if cols is None else (rows[1] - rows[0]) * saved[0].numel()
+        direct = cols is None and dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == saved.dtype
         buf = dst if direct else torch.empty(numel, dtype=saved.dtype)
         self.f.seek(offset + start * itemsize)
         view = buf.reshape(-1).view(torch.uint8).numpy()
         n = self.f.readinto(view)
         if n != numel * itemsize:
             raise CheckpointError(f"optimizer file {self.path} is truncated: short read ({n} of {numel * itemsize} bytes).")
-        if not direct:
+        if cols is not None:
+            dst.copy_(buf.view(rows[1] - rows[0], *saved.shape[1:])[(slice(None), *cols)])
+        elif not direct:
             dst.copy_(buf.view(dst.shape))
         return n
 
@@ -502,7 +505,7 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
         bar = byte_progress(total, "optimizer_cpu_reload: read", enabled=progress, rank=rank)
         try:
             for item, t in zip(plan.items, targets):
-                n = reader.read_into(item.saved, _local(t), item.rows)
+                n = reader.read_into(item.saved, _local(t), item.block)
                 figures["bytes_read"] += n
                 bar.update(n)
             for gi, key, pos, saved, device in plan.group_tensors:
