@@ -71,50 +71,15 @@ def test_demo_command_runs_and_writes_the_report(tmp_path):
     assert "round trip bitwise: True" in proc.stdout
 
 
-def test_two_node_launch_on_one_machine(reference, tmp_path):
-    """`accelerate launch --num_machines 2 --machine_rank {0,1}`: one process per "node", FSDP2 over gloo."""
-    model_dir, ref = reference
+def _launch_two_nodes(model_dir, tmp_path: Path, num_processes: int, *extra: str) -> None:
+    """`accelerate launch --num_machines 2 --machine_rank {0,1}` on this machine, both "nodes" at once."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     procs = []
     for machine_rank in (0, 1):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "2", "--machine_rank", str(machine_rank),
-               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2",
-               "--use_fsdp", "--fsdp_version", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
-               str(EXAMPLE), "--model-dir", str(model_dir), "--out", str(tmp_path / f"node{machine_rank}.json")]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=300)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-5000:]
-    run = json.loads((tmp_path / "node0.json").read_text())
-    assert not (tmp_path / "node1.json").exists(), "only global rank 0 writes"
-    assert run["world_size"] == 2 and run["distributed_type"] == "DistributedType.FSDP"
-    assert all(p["shard0"] and p["local_fraction"] == 0.5 for p in run["sharding"])
-    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) <= 1e-5
-    assert run["roundtrip_mismatches"] == []
-
-
-def test_two_node_hsdp_launch_on_one_machine(reference, tmp_path):
-    """Issue 13: `accelerate launch --num_machines 2 --machine_rank {0,1} --num_processes 4` (2 processes per
-    "node") with accelerate's ParallelismConfig, HSDP 2 x 2 (replicate across the nodes, shard within one):
-    the rank-0 load, training steps and a save_state / load_state round trip, all through the plugin."""
-    model_dir, ref = reference
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    procs = []
-    for machine_rank in (0, 1):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "2", "--machine_rank", str(machine_rank),
-               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", "4",
-               "--use_fsdp", "--fsdp_version", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
-               "--parallelism_config_dp_shard_size", "2",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", str(num_processes),
+               "--use_fsdp", "--fsdp_version", "2", "--mixed_precision", "no", "--dynamo_backend", "no", *extra,
                str(EXAMPLE), "--model-dir", str(model_dir), "--out", str(tmp_path / f"node{machine_rank}.json"),
                "--report", str(tmp_path / "report.json")]
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -128,6 +93,27 @@ def test_two_node_hsdp_launch_on_one_machine(reference, tmp_path):
             raise
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-6000:]
+
+
+def test_two_node_launch_on_one_machine(reference, tmp_path):
+    """`accelerate launch --num_machines 2 --machine_rank {0,1}`: one process per "node", FSDP2 over gloo."""
+    model_dir, ref = reference
+    _launch_two_nodes(model_dir, tmp_path, 2)
+    run = json.loads((tmp_path / "node0.json").read_text())
+    assert not (tmp_path / "node1.json").exists(), "only global rank 0 writes"
+    assert run["world_size"] == 2 and run["distributed_type"] == "DistributedType.FSDP"
+    assert all(p["shard0"] and p["local_fraction"] == 0.5 for p in run["sharding"])
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) <= 1e-5
+    assert run["roundtrip_mismatches"] == []
+
+
+def test_two_node_hsdp_launch_on_one_machine(reference, tmp_path):
+    """Issue 13: `accelerate launch --num_machines 2 --machine_rank {0,1} --num_processes 4` (2 processes per
+    "node") with accelerate's ParallelismConfig, HSDP 2 x 2 (replicate across the nodes, shard within one):
+    the rank-0 load, training steps and a save_state / load_state round trip, all through the plugin."""
+    model_dir, ref = reference
+    _launch_two_nodes(model_dir, tmp_path, 4, "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
+                      "--parallelism_config_dp_shard_size", "2")
     run = json.loads((tmp_path / "node0.json").read_text())
     assert run["world_size"] == 4 and run["distributed_type"] == "DistributedType.FSDP"
     assert run["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
