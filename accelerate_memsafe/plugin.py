@@ -76,6 +76,12 @@ class MemSafePlugin:
     prefetch_buckets: int = 2
     """How many buckets rank 0 reads ahead while the current one is sent (hard bound on what is in flight)."""
 
+    load_source: str = "auto"
+    """Where the ranks get their weights at ``prepare``: ``"rank0"`` (rank 0 reads and scatters each rank's
+    block), ``"every_rank"`` (each rank reads its own block from the checkpoint: every rank must see rank 0's
+    checkpoint, same size, modification time and header), ``"auto"`` (``every_rank`` where valid, else
+    ``rank0``; the report says which and why)."""
+
     optimizer_offload: bool = False
     """Keep optimizer state on CPU between steps (and reload it straight to CPU)."""
 
@@ -113,6 +119,10 @@ class MemSafePlugin:
         object.__setattr__(self, "bucket_bytes", parse_size(self.bucket_bytes, what="bucket_bytes"))
         object.__setattr__(self, "max_shard_size", parse_size(self.max_shard_size, what="max_shard_size"))
         problems = []
+        from .distributed.local_read import LOAD_SOURCES
+
+        if self.load_source not in LOAD_SOURCES:
+            problems.append(f"`load_source` must be one of {', '.join(LOAD_SOURCES)}, got {self.load_source!r}.")
         if not isinstance(self.prefetch_buckets, int) or self.prefetch_buckets < 1:
             problems.append(f"`prefetch_buckets` must be an int >= 1, got {self.prefetch_buckets!r}.")
         if not (isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0):

@@ -93,7 +93,7 @@ def _count_received(rank: int) -> dict:
     return counter
 
 
-def _worker(rank: int, world: int, port: int, path: str, setting: str, ckpt: str, bucket: int, queue) -> None:
+def _worker(rank: int, port: int, world: int, path: str, setting: str, ckpt: str, bucket: int, queue) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -112,7 +112,7 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
 
     import accelerate_memsafe
     from accelerate_memsafe import Accelerator, MemSafePlugin
-    from accelerate_memsafe.memory.procfs import malloc_trim, read_proc_memory, reset_peak_rss
+    from accelerate_memsafe.memory.procfs import read_proc_memory
 
     torch.set_num_threads(1)
     dtype_name, mp_name = SETTINGS[setting]
@@ -133,13 +133,7 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
         PartialState(cpu=True)  # gloo process group (accelerate's logging in fsdp2_prepare_model needs a state)
         if mp_name != "no":
             fsdp_plugin.set_mixed_precision(mp_name)
-    counter = _count_received(rank)
-    _warm_up()
-    dist.barrier()
-    malloc_trim()
-    reset_peak_rss()
-    base = read_proc_memory()
-    t0 = time.perf_counter()
+    counter, base, t0 = baseline(rank)
     with _Sampler() as sampler:
         if path == "stock":
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
@@ -171,6 +165,21 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
         "checksum": checksum,
         "shapes": shapes if rank == 0 else None,
     }
+
+
+def baseline(rank: int):
+    """Counts the bytes this rank receives from here on, warms up, and takes the memory baseline after a
+    barrier: ``(counter, baseline memory, start time)``."""
+    import torch.distributed as dist
+
+    from accelerate_memsafe.memory.procfs import malloc_trim, read_proc_memory, reset_peak_rss
+
+    counter = _count_received(rank)
+    _warm_up()
+    dist.barrier()
+    malloc_trim()
+    reset_peak_rss()
+    return counter, read_proc_memory(), time.perf_counter()
 
 
 def _warm_up() -> None:
@@ -221,10 +230,16 @@ def _free_port() -> int:
 
 
 def _launch(world: int, path: str, setting: str, ckpt: str, bucket: int, timeout: float) -> list[dict]:
+    return spawn(_worker, world, (world, path, setting, ckpt, bucket), timeout, f"{path}/{setting}")
+
+
+def spawn(target, world: int, args: tuple, timeout: float, label: str) -> list[dict]:
+    """Runs ``target(rank, port, *args, queue)`` on ``world`` spawned processes; each puts
+    ``(rank, "ok" | "error", payload)``. Returns the payloads in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, path, setting, ckpt, bucket, queue)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, dict] = {}
@@ -233,7 +248,7 @@ def _launch(world: int, path: str, setting: str, ckpt: str, bucket: int, timeout
         while len(out) < world:
             rank, status, payload = queue.get(timeout=max(1.0, deadline - time.monotonic()))
             if status != "ok":
-                raise RuntimeError(f"{path}/{setting} rank {rank} failed:\n{payload}")
+                raise RuntimeError(f"{label} rank {rank} failed:\n{payload}")
             out[rank] = payload
     finally:
         for p in procs:
@@ -282,20 +297,26 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None, *, timeout: float) -> argparse.Namespace:
+    """Adds the options every load benchmark has (model size, cache, timeout, device, markdown) and parses."""
     parser.add_argument("--model-size", default="1g", help="Llama size from accelerate_memsafe.models.SIZES")
-    parser.add_argument("--dtype", default="fp32,bf16", help="settings: fp32 (no mixed precision) and/or bf16 (+ mixed_precision=bf16)")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--bucket-bytes", default="64MiB")
     parser.add_argument("--cache-dir", default=None, help="where the checkpoints are built (kept for reuse)")
-    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--timeout", type=float, default=timeout)
     parser.add_argument("--device", default="cpu", help="only cpu (gloo) is measured")
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
     if args.device != "cpu":
         parser.error("only --device cpu is supported (CPU FSDP2 over gloo)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="fp32,bf16", help="settings: fp32 (no mixed precision) and/or bf16 (+ mixed_precision=bf16)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--bucket-bytes", default="64MiB")
+    args = parse_args(parser, argv, timeout=600)
     from accelerate_memsafe.plugin import parse_size
 
     bucket = parse_size(args.bucket_bytes)

@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--bucket-bytes", default="64MiB")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--budget-bytes", default=None, help="CPU memory of one node (default: detected MemAvailable)")
+    p.add_argument("--load-source", default="auto", choices=("auto", "rank0", "every_rank"),
+                   help="the plugin's load_source (auto is predicted as every_rank: every rank sees the checkpoint)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 
@@ -31,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     preds = predict(
         summary, num_processes=args.num_processes, dtype=args.dtype, mixed_precision=args.mixed_precision,
         offload_optimizer=args.offload_optimizer, bucket_bytes=parse_size(args.bucket_bytes, what="--bucket-bytes"),
-        device=args.device,
+        device=args.device, load_source=args.load_source,
     )
     budget = parse_size(args.budget_bytes, what="--budget-bytes") if args.budget_bytes else psutil.virtual_memory().available
     fits = {}

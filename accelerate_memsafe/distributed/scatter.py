@@ -317,6 +317,9 @@ class DistributeStats:
     bucket_budget: int = 0
     madvised_bytes: int = 0
     from_checkpoint: int = 0
+    local_tensors: int = 0
+    """Weights every rank read from the checkpoint itself (``load_source``), not sent by rank 0."""
+    bytes_read_locally: int = 0
 
 
 def _sharded_and_replicated(model: nn.Module) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
@@ -438,6 +441,34 @@ def gather_boxes(sharded: list[_Sharded], coll: Collectives) -> None:
         )
 
 
+def _read_local(sharded, replicated, names: set[str], checkpoint: SafetensorsSource, *, rank: int, budget: int,
+                stats: DistributeStats, release: Any, device: torch.device) -> None:
+    """Every rank reads its own block of each weight in ``names`` from the checkpoint (no collective)."""
+    from .local_read import read_block
+
+    with torch.no_grad():
+        for item in sharded:
+            if item.name in names:
+                stats.bytes_read_locally += read_block(checkpoint, item.name, item.ranges[rank], item.cols(rank),
+                                                       item.param.to_local(), chunk_bytes=budget)
+                stats.local_tensors += 1
+                if release is not None:
+                    release(item.name)
+        for name, mod, local, old, is_param in replicated:
+            if name not in names:
+                continue
+            t = torch.empty(old.shape, dtype=old.dtype, device=device)
+            stats.bytes_read_locally += read_block(checkpoint, name, (0, old.shape[0] if old.dim() else 1), None, t,
+                                                   chunk_bytes=budget)
+            stats.local_tensors += 1
+            if release is not None:
+                release(name)
+            if is_param:
+                torch.utils.swap_tensors(old, nn.Parameter(t, requires_grad=old.requires_grad))
+            else:
+                mod._buffers[local] = t
+
+
 def materialize_meta_shards(model: nn.Module, device: torch.device) -> None:
     """Allocates (uninitialised) local storage for every sharded parameter still on ``meta``, keeping
     parameter identity (FSDP2's ``_apply`` re-pads the sharded parameters). Only local shards are
@@ -457,6 +488,8 @@ def distribute_from_rank0(
     device: torch.device,
     check_finite: bool = False,
     progress: bool = False,
+    local_source: SafetensorsSource | None = None,
+    local_names: set[str] | None = None,
 ) -> DistributeStats:
     """Fills the ``meta`` shards of an FSDP2 model with rank 0's weights: each rank receives only its rows.
 
@@ -469,6 +502,10 @@ def distribute_from_rank0(
         device: Where the local shards live (the CPU under FSDP2 CPU offload).
         check_finite: Rank 0 checks every weight for NaN/Inf while reading it.
         progress: Show a byte progress bar on rank 0 (only when hundreds of MB move).
+        local_source: This rank's open checkpoint, when every rank reads the weights ``local_names`` (agreed
+            by :func:`~accelerate_memsafe.distributed.local_read.agree_on_local_reads`) itself: those move
+            through no collective.
+        local_names: See ``local_source``.
 
     Returns:
         Counts and bytes for the report.
@@ -502,6 +539,12 @@ def distribute_from_rank0(
     if rank == 0:
         stats.from_checkpoint = len(source.from_checkpoint)
     materialize_meta_shards(model, device)
+    local_names = set(local_names or ()) if local_source is not None else set()
+    if local_names:
+        _read_local(sharded, replicated, local_names, local_source, rank=rank, budget=budget, stats=stats,
+                    release=source.release if rank == 0 else None, device=device)
+        sharded = [i for i in sharded if i.name not in local_names]
+        replicated = [r for r in replicated if r[0] not in local_names]
     buckets = plan_buckets(sharded, world, budget)
     stats.buckets = len(buckets)
     with torch.no_grad():

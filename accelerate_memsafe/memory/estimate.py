@@ -72,17 +72,24 @@ def summarize_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
         src.close()
 
 
-def distribute_peak_bytes(model_bytes: int, *, world_size: int, rank: int, bucket_bytes: int, prefetch_buckets: int) -> int:
+def distribute_peak_bytes(model_bytes: int, *, world_size: int, rank: int, bucket_bytes: int, prefetch_buckets: int,
+                          load_source: str = "rank0", cast: bool = False) -> int:
     """Predicted private memory of ``rank0_distribute`` on one rank: its own shard plus bounded staging.
 
-    Rank 0 holds at most ``bucket_bytes`` of cast copies (measured: about 1.5x with the scatter buffers
-    and allocator slack); another rank one receive buffer of ``bucket_bytes // (prefetch_buckets + 2)``.
+    ``load_source="rank0"``: rank 0 holds at most ``bucket_bytes`` of cast copies (measured: about 1.5x
+    with the scatter buffers and allocator slack); another rank one receive buffer of
+    ``bucket_bytes // (prefetch_buckets + 2)``. ``"every_rank"``: every rank reads its block straight into
+    its shard, through one chunk of that size when it must cast (``cast``: file dtype != training dtype).
 
     Example:
         >>> distribute_peak_bytes(400, world_size=2, rank=1, bucket_bytes=64, prefetch_buckets=2)
         216
+        >>> distribute_peak_bytes(400, world_size=2, rank=0, bucket_bytes=64, prefetch_buckets=2, load_source="every_rank")
+        200
     """
     shard = model_bytes // max(1, world_size)
+    if load_source == "every_rank":
+        return shard + (min(bucket_bytes // (prefetch_buckets + 2), shard) if cast else 0)
     if rank == 0:
         return shard + min(int(1.5 * bucket_bytes), model_bytes)
     return shard + min(bucket_bytes // (prefetch_buckets + 2), shard)
@@ -111,6 +118,7 @@ def predict(
     bucket_bytes: int = 64 * 2**20,
     prefetch_buckets: int = 2,
     device: str = "cpu",
+    load_source: str = "auto",
 ) -> list[Prediction]:
     """Per-stage, per-rank predictions for the stock path and for the plugin.
 
@@ -123,13 +131,15 @@ def predict(
         bucket_bytes: The plugin's ``bucket_bytes``.
         prefetch_buckets: The plugin's ``prefetch_buckets``.
         device: ``"cpu"`` or ``"cuda"``: on CUDA the shards and optimizer state are device memory.
+        load_source: The plugin's ``load_source``; ``"auto"`` is predicted as ``"every_rank"`` (what it
+            chooses when every rank sees the checkpoint: one node, or a shared filesystem).
 
     Returns:
         One :class:`Prediction` per (hook, stage, rank, path).
 
     Example:
         >>> s = CheckpointSummary("x", 2, 2_000_000, 8_000_000, "w", 1_000_000)
-        >>> [p.cpu_anon_bytes for p in predict(s, num_processes=2) if p.stage == "rank0_distribute"][:2]
+        >>> [p.cpu_anon_bytes for p in predict(s, num_processes=2, load_source="rank0") if p.stage == "rank0_distribute"][:2]
         [12000000, 8000000]
     """
     if dtype not in DTYPE_BYTES:
@@ -161,8 +171,11 @@ def predict(
         for stage in ("meta_placement", "shard"):
             add("prepare", stage, rank, "memsafe", 0, 0, 0)
         # staging is bounded by the bucket, and cannot exceed what there is to send
-        peak = distribute_peak_bytes(P, world_size=n, rank=rank, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets)
-        add("prepare", "rank0_distribute", rank, "memsafe", peak, 0, shard + (min(bucket_bytes, P) if rank == 0 else 0))
+        source = "every_rank" if load_source == "auto" else load_source
+        peak = distribute_peak_bytes(P, world_size=n, rank=rank, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets,
+                                     load_source=source, cast=upcast)
+        staging = min(bucket_bytes, P) if rank == 0 and source == "rank0" else 0
+        add("prepare", "rank0_distribute", rank, "memsafe", peak, 0, shard + staging)
         add("prepare", "buffer_init", rank, "memsafe", 0, 0, 0)
         # optimizer state (AdamW: two fp32 moments per trainable element)
         state = 2 * (summary.numel * 4) // n

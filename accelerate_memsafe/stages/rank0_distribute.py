@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.collectives import Collectives
+from ..distributed.local_read import agree_on_local_reads, close_unless
 from ..distributed.scatter import distribute_from_rank0
 from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran, skipped
 from .meta_placement import PLACED_KEY, SOURCE_KEY
@@ -51,14 +52,30 @@ class Rank0DistributeStage(Stage):
         device = torch.device("cpu") if offload else ctx.device
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         source = ctx.scratch.pop(SOURCE_KEY, None)
-        stats = distribute_from_rank0(
-            ctx.model,
-            source,
-            coll=coll,
-            bucket_bytes=self.options.bucket_bytes,
-            prefetch_buckets=self.options.prefetch_buckets,
-            device=device,
-            check_finite=self.options.check_finite_weights,
-            progress=self.options.progress,
-        )
-        return ran(**vars(stats))
+        mode = self.options.load_source
+        local, names, why = None, set(), "load_source='rank0'"
+        if mode != "rank0" and not self.options.check_finite_weights:
+            local, names, why = agree_on_local_reads(
+                coll, source.checkpoint if source is not None else None,
+                source.from_checkpoint if source is not None else set(), mode=mode,
+            )
+        elif mode != "rank0":
+            why = "check_finite_weights: rank 0 checks every weight while sending it"
+        try:
+            stats = distribute_from_rank0(
+                ctx.model,
+                source,
+                coll=coll,
+                bucket_bytes=self.options.bucket_bytes,
+                prefetch_buckets=self.options.prefetch_buckets,
+                device=device,
+                check_finite=self.options.check_finite_weights,
+                progress=self.options.progress,
+                local_source=local,
+                local_names=names,
+            )
+        finally:
+            close_unless(local, source.checkpoint if source is not None else None)
+        source_used = "every_rank" if stats.local_tensors and not stats.bytes_sent + stats.bytes_received else (
+            "every_rank+rank0" if stats.local_tensors else "rank0")
+        return ran(load_source=source_used, **({"rank0_because": why} if why else {}), **vars(stats))

@@ -40,7 +40,7 @@ LAUNCHERS = {
 }
 
 
-@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+@pytest.mark.parametrize("launcher", [pytest.param(k, marks=pytest.mark.slow) if k == "torchrun" else k for k in sorted(LAUNCHERS)])
 def test_example_does_fsdp2_matches_reference_and_round_trips(launcher, reference, tmp_path):
     model_dir, ref = reference
     out = tmp_path / "run.json"
@@ -95,6 +95,7 @@ def _launch_two_nodes(model_dir, tmp_path: Path, num_processes: int, *extra: str
         assert p.returncode == 0, out[-6000:]
 
 
+@pytest.mark.slow  # the default suite launches two nodes with HSDP (below)
 def test_two_node_launch_on_one_machine(reference, tmp_path):
     """`accelerate launch --num_machines 2 --machine_rank {0,1}`: one process per "node", FSDP2 over gloo."""
     model_dir, ref = reference

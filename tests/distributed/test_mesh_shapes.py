@@ -22,7 +22,7 @@ def test_hsdp_2x2_rank0_load_is_bitwise_a_single_process_load(small_llama_dir):
     results = run_on_ranks(
         workers_prepare.prepare_llama, 4, init_process_group=False, timeout=240, model_dir=str(small_llama_dir),
         track=True, full=True, parallelism={"dp_replicate_size": 2, "dp_shard_size": 2},
-        plugin_kwargs={"bucket_bytes": 256 * 1024},
+        plugin_kwargs={"bucket_bytes": 256 * 1024, "load_source": "rank0"},
     )
     total = sum(4 * _numel(s) for s in results[0]["full_shapes"].values())
     for rank, res in enumerate(results):

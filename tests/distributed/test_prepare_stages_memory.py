@@ -29,7 +29,7 @@ def _full_size_allocs(res):
 def test_rank1_never_allocates_a_full_parameter_and_rank0_stays_within_the_bucket(small_llama_dir, loader):
     results = run_on_ranks(
         w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir), loader=loader,
-        track=True, plugin_kwargs={"bucket_bytes": BUCKET, "prefetch_buckets": 2},
+        track=True, plugin_kwargs={"bucket_bytes": BUCKET, "prefetch_buckets": 2, "load_source": "rank0"},
     )
     rank0, rank1 = results
     assert rank1["allocs"], "the tracker must see rank 1's receive buffers"

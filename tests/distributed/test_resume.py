@@ -44,7 +44,7 @@ def _check(ref, res, *, sdt, offload, pre_step):
         assert loader["status"] == "ran" and loader["details"]["dataloaders"] == 1
 
 
-@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "sequential"])
+@pytest.mark.parametrize("shuffle", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["shuffle", "sequential"])
 def test_exact_resume_fsdp2(tmp_path, shuffle):
     save_offload, resumes = CASES[shuffle]
     outs = {sdt: str(tmp_path / sdt) for sdt in TYPES}

@@ -124,11 +124,15 @@ def prepare_llama(
     track: bool = False,
     parallelism: dict | None = None,
     full: bool = False,
+    edit: str | None = None,
+    other_checkpoint_on: int | None = None,
 ) -> dict[str, Any]:
     """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
     what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
     ``ParallelismConfig`` sizes) and, with ``full``, each parameter's names whose full tensor differs from
-    a single-process ``from_pretrained`` of the same checkpoint."""
+    a single-process ``from_pretrained`` of the same checkpoint (``edit``: a parameter rank 0 doubles in place
+    after loading, in the reference too; ``other_checkpoint_on``: a rank that sees another checkpoint
+    identity, as a node with its own copy of the files would)."""
     from transformers import AutoModelForCausalLM
 
     import accelerate_memsafe
@@ -150,6 +154,14 @@ def prepare_llama(
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    if edit and rank == 0:
+        with torch.no_grad():
+            model.get_parameter(edit).mul_(2)  # in place: the address stays the file's, the bytes do not
+    if other_checkpoint_on == rank:
+        from accelerate_memsafe.distributed import local_read
+
+        real = local_read.checkpoint_identity
+        local_read.checkpoint_identity = lambda src: [(n, size, mtime + 1, h) for n, size, mtime, h in real(src)]
     full_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     allocs: list[tuple[str, tuple[int, ...], int]] = []
@@ -166,6 +178,8 @@ def prepare_llama(
     out = _describe(model)
     if full:  # every rank ends with rank 0's (here: the file's) weights, whatever the mesh
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).state_dict()
+        if edit:
+            reference[edit] = reference[edit] * 2
         out["differs_from_single_process"] = [n for n, p in model.named_parameters()
                                               if not torch.equal(p.full_tensor(), reference[n])]
         out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}
@@ -217,7 +231,7 @@ def prepare_killed(rank: int, world_size: int, *, model_dir: str, timeout_s: flo
     import accelerate_memsafe
     from accelerate_memsafe.distributed import collectives
 
-    acc, _ = _accelerator({"collective_timeout_s": timeout_s, "bucket_bytes": 64 * 1024, "prefetch_buckets": 1})
+    acc, _ = _accelerator({"collective_timeout_s": timeout_s, "bucket_bytes": 64 * 1024, "prefetch_buckets": 1, "load_source": "rank0"})
     model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
     if rank == 1:
         real = collectives.Collectives.scatter

@@ -38,7 +38,7 @@ def _run(**kwargs):
 @pytest.mark.parametrize("when", ["before", "while"])
 def test_rank0_error_in_rank0_distribute_reaches_rank1_within_seconds(when):
     # `while`: small buckets, rank 0 fails reading a weight after some buckets went out
-    r0, r1 = _run(failing_rank=0, stage="rank0_distribute", when=when, bucket_bytes=256 << 10)
+    r0, r1 = _run(failing_rank=0, stage="rank0_distribute", when=when, bucket_bytes=256 << 10, load_source="rank0")
     assert r0["error"] == "CheckpointError" and INJECTED in r0["message"], r0
     assert r1["error"] == "PeerStageError", r1
     msg = r1["message"]

@@ -7,7 +7,7 @@ from tests.reliability import kill_harness
 
 
 def test_sigkilled_saves_never_lose_or_expose_a_checkpoint(tmp_path):
-    result = kill_harness.run(6, seed=1, workdir=str(tmp_path))
-    assert result["points"] == 6
-    assert result["killed"] >= 4, result  # the kill points are drawn inside the save
+    result = kill_harness.run(4, seed=1, workdir=str(tmp_path))
+    assert result["points"] == 4
+    assert result["killed"] >= 3, result  # the kill points are drawn inside the save
     assert result["lost"] == 0, result["lost_details"]

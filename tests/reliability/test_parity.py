@@ -3,12 +3,15 @@ FSDP2 path on the same model and data, and resuming at step 10 continues it exac
 
 from __future__ import annotations
 
+import pytest
+
 from tests.reliability import workers_parity
 from tests.spawn import run_on_ranks
 
 STEPS = 20
 
 
+@pytest.mark.slow  # the default suite has the differential resume matrix (plugin == stock, bitwise; exact resume)
 def test_plugin_matches_stock_accelerate_and_resume_at_step_10(tiny_llama_dir, tmp_path):
     kw = dict(init_process_group=False, timeout=300, model_dir=str(tiny_llama_dir), steps=STEPS)
     stock = run_on_ranks(workers_parity.train, 2, mode="stock", **kw)[0]

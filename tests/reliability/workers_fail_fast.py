@@ -38,10 +38,10 @@ def _inject(stage: str, when: str) -> None:
             calls = itertools.count()
             read_rows = source.read_rows
 
-            def failing_read_rows(name, start, stop, out):
+            def failing_read_rows(name, start, stop, out, cols=None):
                 if next(calls) == 40:
                     raise CheckpointError(INJECTED)
-                return read_rows(name, start, stop, out)
+                return read_rows(name, start, stop, out, cols)
 
             source.read_rows = failing_read_rows
             return original(model, source, **kwargs)

@@ -25,15 +25,21 @@ def test_summary_reads_headers_only(tiny_llama_dir, monkeypatch):
 
 def test_predictions_follow_the_paths():
     s = CheckpointSummary("x", 10, 100 * 2**20, 400 * 2**20, "w", 10 * 2**20)  # P = 400 MiB fp32, T = 40 MiB
-    preds = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, bucket_bytes=64 * 2**20)}
+    preds = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, bucket_bytes=64 * 2**20, load_source="rank0")}
     mib = 2**20
     assert preds[("accelerate.prepare", 1, "stock")].cpu_anon_bytes == (200 + 80) * mib
     assert preds[("rank0_distribute", 0, "memsafe")].cpu_anon_bytes == (200 + 96) * mib
     assert preds[("rank0_distribute", 1, "memsafe")].cpu_anon_bytes == (200 + 16) * mib
-    bf16 = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, dtype="bf16", mixed_precision="bf16")}
+    bf16 = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, dtype="bf16", mixed_precision="bf16",
+                                                          load_source="rank0")}
     # accelerate upcasts every trainable weight to fp32 on every rank: + P (fp32) per rank
     assert bf16[("accelerate.prepare", 1, "stock")].cpu_anon_bytes == (200 + 80 + 400) * mib
     assert bf16[("rank0_distribute", 1, "memsafe")].cpu_anon_bytes == (200 + 16) * mib
+    # every_rank (what "auto" predicts): its shard, plus one cast chunk when the file dtype differs
+    auto = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2)}
+    assert auto[("rank0_distribute", 0, "memsafe")].cpu_anon_bytes == auto[("rank0_distribute", 1, "memsafe")].cpu_anon_bytes == 200 * mib
+    cast = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, dtype="bf16", mixed_precision="bf16")}
+    assert cast[("rank0_distribute", 0, "memsafe")].cpu_anon_bytes == (200 + 16) * mib
     with pytest.raises(ValueError, match="unknown dtype"):
         predict(s, num_processes=2, dtype="int3")
 
