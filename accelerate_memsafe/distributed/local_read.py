@@ -96,9 +96,9 @@ def agree_on_local_reads(
 def _open_same(path: str, identity: list[tuple[str, int, int, str]]) -> tuple[SafetensorsSource | None, str | None]:
     try:
         source = SafetensorsSource(path)
-    except CheckpointError as exc:
-        return None, f"cannot open {path} ({exc})"
-    mine = checkpoint_identity(source)
+        mine = checkpoint_identity(source)
+    except (CheckpointError, OSError) as exc:
+        return None, f"cannot read {path} ({type(exc).__name__}: {exc})"
     if mine != identity:
         differs = [f"{a[0]} (size {a[1]} vs {b[1]}, mtime {a[2]} vs {b[2]}, header {'same' if a[3] == b[3] else 'differs'})"
                    for a, b in zip(mine, identity) if a != b] or [f"{len(mine)} files vs rank 0's {len(identity)}"]
