@@ -21,8 +21,6 @@ import os
 import struct
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
 from ..io.safetensors_source import SafetensorsSource
 from .collectives import Collectives
@@ -105,34 +103,6 @@ def _open_same(path: str, identity: list[tuple[str, int, int, str]]) -> tuple[Sa
         source.close()
         return None, f"sees another checkpoint at {path}: {', '.join(differs[:3])}"
     return source, None
-
-
-def read_block(source: SafetensorsSource, name: str, rows: tuple[int, int], cols: tuple[slice, ...] | None,
-               out: torch.Tensor, *, chunk_bytes: int) -> int:
-    """Reads rows ``rows`` (and, for a TP block, the columns ``cols``) of ``name`` into ``out`` (this rank's
-    local tensor of that block), casting to ``out.dtype``; returns the bytes read from the file.
-
-    Straight into ``out`` when the dtypes match and the block is whole rows; otherwise in chunks of at most
-    ``chunk_bytes`` of file rows.
-    """
-    entry = source.entries[name]
-    a, b = rows
-    if out.dim() == 0:
-        out = out.view(1)
-    if b <= a:
-        return 0
-    row_bytes = max(1, entry.row_bytes)
-    if cols is None and out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu":
-        source.read(name, a, b, out=out)
-        return (b - a) * entry.row_bytes
-    step = max(1, chunk_bytes // row_bytes)
-    done = 0
-    for s in range(a, b, step):
-        e = min(b, s + step)
-        rows_read = source.read(name, s, e)
-        out[s - a : e - a].copy_(rows_read if cols is None else rows_read[(slice(None), *cols)])
-        done += (e - s) * entry.row_bytes
-    return done
 
 
 def close_unless(source: SafetensorsSource | None, keep: Any) -> None:

@@ -34,6 +34,7 @@ from torch import nn
 from .. import _compat
 from ..memory.progress import byte_progress
 from ..errors import CheckpointError, StageError
+from ..io.blocks import Box, block_cols, local_block
 from ..io.mapped_pages import CleanFilePages
 from ..io.safetensors_source import SafetensorsSource
 from .collectives import Collectives
@@ -89,14 +90,8 @@ class Rank0Source:
         the other dimensions to copy (a TP block), ``None`` for whole rows."""
         if out.dim() == 0:
             out = out.view(1)
-        if name in self.from_checkpoint:
-            entry = self.checkpoint.entries[name]
-            if cols is not None:  # whole rows from the file, then the block's columns
-                out.copy_(self.checkpoint.read(name, start, stop)[(slice(None), *cols)])
-            elif entry.dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu":
-                self.checkpoint.read(name, start, stop, out=out)
-            else:
-                out.copy_(self.checkpoint.read(name, start, stop))
+        if name in self.from_checkpoint:  # one read: the piece is already bounded by the bucket
+            self.checkpoint.read_block(name, (start, stop), cols, out, chunk_bytes=(stop - start) * self.checkpoint.entries[name].row_bytes)
             return
         t = self.tensors[name]
         src = t[start:stop] if t.dim() else t
@@ -120,10 +115,6 @@ class Rank0Source:
 # ---------------------------------------------------------------------------------------------------
 # The plan (every rank computes the same one)
 # ---------------------------------------------------------------------------------------------------
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-"""A rank's block of a tensor: the offset and the size in each dimension."""
-
-
 @dataclass
 class _Sharded:
     name: str
@@ -146,10 +137,7 @@ class _Sharded:
 
     def cols(self, rank: int) -> tuple[slice, ...] | None:
         """``rank``'s slices of dimensions 1.. (``None``: whole rows, as under FSDP alone)."""
-        offsets, sizes = self.boxes[rank]
-        if all(o == 0 and z == n for o, z, n in zip(offsets[1:], sizes[1:], self.shape[1:])):
-            return None
-        return tuple(slice(o, o + z) for o, z in zip(offsets[1:], sizes[1:]))
+        return block_cols(self.boxes[rank], self.shape)
 
 
 @dataclass
@@ -400,17 +388,6 @@ def follow_rank0_layout(
     return [by_name[n] for k, n, _, _ in ref if k == "s"], [rep_by_name[n] for k, n, _, _ in ref if k == "r"]
 
 
-def _own_box(param: Any) -> Box | str:
-    """This rank's block of a DTensor (from its placements, no data needed), or why it is not one block."""
-    chunks = param.__create_chunk_list__()
-    if len(chunks) != 1:
-        return f"its local tensor is {len(chunks)} blocks of the global one ({param.placements})"
-    offsets, sizes = tuple(int(x) for x in chunks[0].offsets), tuple(int(x) for x in chunks[0].sizes)
-    if tuple(param.to_local().shape) != sizes:
-        return f"its local tensor has shape {tuple(param.to_local().shape)}, its placements say {sizes}"
-    return offsets, sizes
-
-
 def gather_boxes(sharded: list[_Sharded], coll: Collectives) -> None:
     """Fills every item's ``boxes`` with every rank's block: one all-gather, so that every rank plans the
     same buckets. Checks that the blocks lie inside the tensor and cover it.
@@ -418,7 +395,7 @@ def gather_boxes(sharded: list[_Sharded], coll: Collectives) -> None:
     Raises:
         StageError: On every rank, naming the tensor and the rank whose block is not usable.
     """
-    own = [_own_box(i.param) for i in sharded]
+    own = [local_block(i.param) for i in sharded]
     everyone = coll.all_gather_object(own, what="all_gather of each rank's blocks of the sharded parameters")
     problems = []
     for k, item in enumerate(sharded):
@@ -444,13 +421,11 @@ def gather_boxes(sharded: list[_Sharded], coll: Collectives) -> None:
 def _read_local(sharded, replicated, names: set[str], checkpoint: SafetensorsSource, *, rank: int, budget: int,
                 stats: DistributeStats, release: Any, device: torch.device) -> None:
     """Every rank reads its own block of each weight in ``names`` from the checkpoint (no collective)."""
-    from .local_read import read_block
-
     with torch.no_grad():
         for item in sharded:
             if item.name in names:
-                stats.bytes_read_locally += read_block(checkpoint, item.name, item.ranges[rank], item.cols(rank),
-                                                       item.param.to_local(), chunk_bytes=budget)
+                stats.bytes_read_locally += checkpoint.read_block(item.name, item.ranges[rank], item.cols(rank),
+                                                                  item.param.to_local(), chunk_bytes=budget)
                 stats.local_tensors += 1
                 if release is not None:
                     release(item.name)
@@ -458,15 +433,20 @@ def _read_local(sharded, replicated, names: set[str], checkpoint: SafetensorsSou
             if name not in names:
                 continue
             t = torch.empty(old.shape, dtype=old.dtype, device=device)
-            stats.bytes_read_locally += read_block(checkpoint, name, (0, old.shape[0] if old.dim() else 1), None, t,
-                                                   chunk_bytes=budget)
+            stats.bytes_read_locally += checkpoint.read_block(name, (0, old.shape[0] if old.dim() else 1), None, t,
+                                                              chunk_bytes=budget)
             stats.local_tensors += 1
             if release is not None:
                 release(name)
-            if is_param:
-                torch.utils.swap_tensors(old, nn.Parameter(t, requires_grad=old.requires_grad))
-            else:
-                mod._buffers[local] = t
+            _install(mod, local, old, t, is_param)
+
+
+def _install(mod: nn.Module, local: str, old: torch.Tensor, t: torch.Tensor, is_param: bool) -> None:
+    """Puts ``t`` in place of the replicated parameter or buffer ``old`` (a parameter keeps its identity)."""
+    if is_param:
+        torch.utils.swap_tensors(old, nn.Parameter(t, requires_grad=old.requires_grad))
+    else:
+        mod._buffers[local] = t
 
 
 def materialize_meta_shards(model: nn.Module, device: torch.device) -> None:
@@ -618,10 +598,7 @@ def distribute_from_rank0(
                 stats.bytes_sent += t.numel() * t.element_size() * (world - 1)
             else:
                 stats.bytes_received += t.numel() * t.element_size()
-            if is_param:
-                torch.utils.swap_tensors(old, nn.Parameter(t, requires_grad=old.requires_grad))
-            else:
-                mod._buffers[local] = t
+            _install(mod, local, old, t, is_param)
     if rank == 0:
         stats.madvised_bytes = source.released_bytes
         source.close()

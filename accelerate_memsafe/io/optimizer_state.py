@@ -40,6 +40,7 @@ import torch
 from .. import _compat
 from ..memory.progress import byte_progress
 from ..errors import CheckpointError
+from .blocks import block_cols, local_block
 
 #: accelerate's optimizer file / folder names (``accelerate.utils.constants.OPTIMIZER_NAME``).
 OPTIMIZER_NAME = "optimizer"
@@ -100,18 +101,14 @@ def _shard_block(param: torch.Tensor) -> Block | None:
 
     if all(isinstance(p, Replicate) for p in param.placements):
         return None
-    chunks = param.__create_chunk_list__()
-    local = tuple(_local(param).shape)
-    if len(chunks) != 1 or tuple(chunks[0].sizes) != local:
+    box = local_block(param)
+    if isinstance(box, str):
         raise CheckpointError(
-            f"cannot read a full optimizer state into a parameter with placements {tuple(param.placements)}: its local "
-            f"tensor {local} is not one block of the full one. HINT: save with `SHARDED_STATE_DICT` (read through "
-            "torch.distributed.checkpoint) for this layout."
+            f"cannot read a full optimizer state into a parameter with placements {tuple(param.placements)}: {box}. "
+            "HINT: save with `SHARDED_STATE_DICT` (read through torch.distributed.checkpoint) for this layout."
         )
-    offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
-    rows = (int(offsets[0]), int(offsets[0] + sizes[0]))
-    whole = all(o == 0 and z == n for o, z, n in zip(offsets[1:], sizes[1:], param.shape[1:]))
-    return rows, None if whole else tuple(slice(int(o), int(o + z)) for o, z in zip(offsets[1:], sizes[1:]))
+    (offsets, sizes) = box
+    return (offsets[0], offsets[0] + sizes[0]), block_cols(box, tuple(param.shape))
 
 
 @dataclass

@@ -205,6 +205,32 @@ class SafetensorsSource:
                 done += n
         return out
 
+    def read_block(self, name: str, rows: tuple[int, int], cols: tuple[slice, ...] | None, out: torch.Tensor, *,
+                   chunk_bytes: int) -> int:
+        """Reads rows ``rows`` (and, for a TP block, the columns ``cols``) of ``name`` into ``out`` (a rank's
+        local tensor of that block), casting to ``out.dtype``; returns the bytes read from the file.
+
+        Straight into ``out`` when the dtypes match and the block is whole rows; otherwise in chunks of at
+        most ``chunk_bytes`` of file rows.
+        """
+        entry = self.entries[name]
+        a, b = rows
+        if out.dim() == 0:
+            out = out.view(1)
+        if b <= a:
+            return 0
+        if cols is None and out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu":
+            self.read(name, a, b, out=out)
+            return (b - a) * entry.row_bytes
+        step = max(1, chunk_bytes // max(1, entry.row_bytes))
+        done = 0
+        for s in range(a, b, step):
+            e = min(b, s + step)
+            rows_read = self.read(name, s, e)
+            out[s - a : e - a].copy_(rows_read if cols is None else rows_read[(slice(None), *cols)])
+            done += (e - s) * entry.row_bytes
+        return done
+
     def close(self) -> None:
         """Closes the open file descriptors."""
         for fd in self._fds.values():

@@ -52,12 +52,12 @@ class Rank0DistributeStage(Stage):
         device = torch.device("cpu") if offload else ctx.device
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         source = ctx.scratch.pop(SOURCE_KEY, None)
+        rank0_checkpoint = source.checkpoint if source is not None else None  # rank 0 only
         mode = self.options.load_source
         local, names, why = None, set(), "load_source='rank0'"
         if mode != "rank0" and not self.options.check_finite_weights:
             local, names, why = agree_on_local_reads(
-                coll, source.checkpoint if source is not None else None,
-                source.from_checkpoint if source is not None else set(), mode=mode,
+                coll, rank0_checkpoint, source.from_checkpoint if source is not None else set(), mode=mode,
             )
         elif mode != "rank0":
             why = "check_finite_weights: rank 0 checks every weight while sending it"
@@ -75,7 +75,7 @@ class Rank0DistributeStage(Stage):
                 local_names=names,
             )
         finally:
-            close_unless(local, source.checkpoint if source is not None else None)
+            close_unless(local, rank0_checkpoint)
         source_used = "every_rank" if stats.local_tensors and not stats.bytes_sent + stats.bytes_received else (
             "every_rank+rank0" if stats.local_tensors else "rank0")
         return ran(load_source=source_used, **({"rank0_because": why} if why else {}), **vars(stats))
