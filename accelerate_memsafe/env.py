@@ -39,6 +39,9 @@ class LaunchEnv:
     use_cpu: bool
     use_parallelism_config: bool = False
     """``accelerate launch --use_parallelism_config`` (sizes in ``PARALLELISM_CONFIG_*``)."""
+    group_rank: int = -1
+    """This node's index (torchrun's ``GROUP_RANK``, which ``accelerate launch --machine_rank`` sets); -1 when
+    the launcher does not say."""
 
 
 def _flag(value: str | None) -> bool:
@@ -62,4 +65,5 @@ def launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         fsdp_version=int(environ.get("FSDP_VERSION", "1") or "1"),
         use_cpu=_flag(environ.get("ACCELERATE_USE_CPU")),
         use_parallelism_config=_flag(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")),
+        group_rank=int(environ.get("GROUP_RANK", "-1") or "-1"),
     )

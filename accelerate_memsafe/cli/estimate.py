@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--bucket-bytes", default="64MiB")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--budget-bytes", default=None, help="CPU memory of one node (default: detected MemAvailable)")
-    p.add_argument("--load-source", default="auto", choices=("auto", "rank0", "every_rank"),
+    p.add_argument("--load-source", default="auto", choices=("auto", "rank0", "node", "every_rank"),
                    help="the plugin's load_source (auto is predicted as every_rank: every rank sees the checkpoint)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)

@@ -12,6 +12,10 @@ header), every rank compares it with what it sees at the same path, and one all-
 The weights read this way move through no collective: what a rank reads is its own block's rows, with
 ``pread`` straight into its local shard when the dtype matches, otherwise in chunks of at most the bucket
 budget.
+
+``node``: only each node's leader (its local rank 0) must see the files; it reads for its node's ranks and
+scatters within the node (:mod:`~accelerate_memsafe.distributed.node_scatter`), and rank 0 sends each
+leader what it cannot read.
 """
 
 from __future__ import annotations
@@ -19,14 +23,17 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointError
 from ..io.safetensors_source import SafetensorsSource
 from .collectives import Collectives
+from .topology import Nodes
 
-#: ``load_source`` values: ``auto`` reads locally where every rank can, else from rank 0.
-LOAD_SOURCES = ("auto", "rank0", "every_rank")
+#: ``load_source`` values: ``auto`` reads locally where every rank can, else through the node leaders where
+#: they can, else from rank 0.
+LOAD_SOURCES = ("auto", "rank0", "node", "every_rank")
 
 
 def checkpoint_identity(source: SafetensorsSource) -> list[tuple[str, int, int, str]]:
@@ -47,20 +54,34 @@ def checkpoint_identity(source: SafetensorsSource) -> list[tuple[str, int, int, 
     return out
 
 
+@dataclass
+class LocalReads:
+    """What :func:`agree_on_local_reads` decided, the same on every rank."""
+
+    source: SafetensorsSource | None
+    """This rank's open checkpoint when it reads weights itself (``None`` otherwise)."""
+    names: set[str]
+    """The weights read from the checkpoint (by every rank, or by each node's leader)."""
+    load_source: str
+    """``"every_rank"``, ``"node"`` or ``"rank0"``."""
+    why: str | None = None
+    """Why the weights do not come from every rank's own read (``None`` when they do)."""
+
+
 def agree_on_local_reads(
     coll: Collectives, rank0_checkpoint: SafetensorsSource | None, rank0_names: set[str], *, mode: str,
-) -> tuple[SafetensorsSource | None, set[str], str | None]:
-    """Decides, identically on every rank, which weights each rank reads from the checkpoint itself.
+    nodes: Nodes | None = None,
+) -> LocalReads:
+    """Decides, identically on every rank, where each weight comes from.
 
     Args:
         coll: The stage's collectives (one broadcast and one all-gather of small objects).
         rank0_checkpoint: On rank 0, its checkpoint source (``None`` elsewhere, or without one).
         rank0_names: On rank 0, the weights proved to be the checkpoint's unmodified bytes.
-        mode: ``"auto"`` (fall back to rank 0 when a rank cannot read locally) or ``"every_rank"`` (raise).
-
-    Returns:
-        ``(source, names, why_not)``: this rank's open checkpoint and the agreed names, or ``(None,
-        set(), reason)`` when the weights come from rank 0.
+        mode: ``"auto"`` (every rank reads if every rank can; else each node's leader if the leaders can and
+            some node has several ranks; else rank 0), ``"every_rank"`` (raise when a rank cannot read),
+            ``"node"`` (leaders read what they can, rank 0 sends them the rest).
+        nodes: Every rank's node (needed for ``"auto"`` and ``"node"``).
 
     Raises:
         CheckpointError: On every rank, with ``mode="every_rank"`` when some rank cannot read locally.
@@ -69,26 +90,35 @@ def agree_on_local_reads(
     if coll.rank == 0 and rank0_checkpoint is not None and rank0_names:
         offer = (os.path.abspath(rank0_checkpoint.path), checkpoint_identity(rank0_checkpoint), sorted(rank0_names))
     offer = coll.broadcast_object(offer, src=0, what="broadcast of rank 0's checkpoint identity")
+    fallback = "node" if mode == "node" else "rank0"
     if offer is None:
         why = "rank 0's weights are not unmodified views of a safetensors checkpoint (not loaded zero-copy, or edited)"
         if mode == "every_rank":
             raise CheckpointError(f"`load_source='every_rank'`: {why}. HINT: use load_source='auto' or 'rank0'.")
-        return None, set(), why
+        return LocalReads(None, set(), fallback, why)
     path, identity, names = offer
-    source, problem = (rank0_checkpoint, None) if coll.rank == 0 else _open_same(path, identity)
+    readers = set(nodes.leaders) if mode == "node" and nodes is not None else set(range(coll.world_size))
+    source, problem = (rank0_checkpoint, None) if coll.rank == 0 else (
+        _open_same(path, identity) if coll.rank in readers else (None, None))
     problems = coll.all_gather_object(problem, what="all_gather of whether every rank sees rank 0's checkpoint")
     bad = [(r, p) for r, p in enumerate(problems) if p]
-    if bad:
-        if source is not None and coll.rank != 0:
-            source.close()
-        why = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
-        if mode == "every_rank":
-            raise CheckpointError(
-                f"`load_source='every_rank'` needs every rank to see rank 0's checkpoint {path}: {why}. HINT: put the "
-                "checkpoint on a filesystem all nodes share, or use load_source='auto' (falls back to rank 0)."
-            )
-        return None, set(), why
-    return source, set(names), None
+    if not bad:
+        return LocalReads(source, set(names), "node" if mode == "node" else "every_rank")
+    why = "; ".join(f"rank {r}: {p}" for r, p in bad[:4])
+    if mode == "every_rank":
+        close_unless(source, rank0_checkpoint)
+        raise CheckpointError(
+            f"`load_source='every_rank'` needs every rank to see rank 0's checkpoint {path}: {why}. HINT: put the "
+            "checkpoint on a filesystem all nodes share, or use load_source='auto' (falls back to rank 0)."
+        )
+    if mode == "auto" and nodes is not None and len(nodes.leaders) > 1 and not {r for r, _ in bad} & set(nodes.leaders):
+        # every node's leader sees the checkpoint: it reads for its node
+        if coll.rank not in nodes.leaders:
+            close_unless(source, rank0_checkpoint)
+            source = None
+        return LocalReads(source, set(names), "node", f"not every rank sees rank 0's checkpoint ({why}); the node leaders do")
+    close_unless(source, rank0_checkpoint)
+    return LocalReads(None, set(), fallback, why)
 
 
 def _open_same(path: str, identity: list[tuple[str, int, int, str]]) -> tuple[SafetensorsSource | None, str | None]:

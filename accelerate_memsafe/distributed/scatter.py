@@ -308,6 +308,8 @@ class DistributeStats:
     local_tensors: int = 0
     """Weights every rank read from the checkpoint itself (``load_source``), not sent by rank 0."""
     bytes_read_locally: int = 0
+    bytes_sent_per_node: list[int] = field(default_factory=list)
+    """``node`` source, on rank 0: the bytes it sent to each node's ranks (its own node first)."""
 
 
 def _sharded_and_replicated(model: nn.Module) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
@@ -449,6 +451,90 @@ def _install(mod: nn.Module, local: str, old: torch.Tensor, t: torch.Tensor, is_
         mod._buffers[local] = t
 
 
+def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any = None, check_finite: bool = False) -> None:
+    """Reads each piece of ``bucket`` (for the ranks in ``ranks``, default all) from ``source`` into the
+    buffer ``slot_of(rank)``, cast to the parameter's dtype; releases the tensors whose last rows it read.
+
+    Raises:
+        CheckpointError: If ``check_finite`` and a piece holds NaN or Inf.
+    """
+    for piece in bucket.pieces:
+        if ranks is not None and piece.rank not in ranks:
+            continue
+        item = piece.item
+        n = piece.stop - piece.start
+        out = slot_of(piece.rank)[piece.offset : piece.offset + n * item.row_bytes(piece.rank)]
+        out = out.view(item.dtype).view(n, *item.boxes[piece.rank][1][1:])
+        source.read_rows(item.name, piece.start, piece.stop, out, item.cols(piece.rank))
+        if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
+            raise CheckpointError(
+                f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
+                "fix the checkpoint or turn off `check_finite_weights`."
+            )
+    for name in bucket.last_of:
+        source.release(name)
+
+
+def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str, torch.Tensor]) -> None:
+    """Copies this rank's pieces of ``bucket`` from the received ``buf`` into its local shards."""
+    for piece in bucket.pieces:
+        if piece.rank != rank:
+            continue
+        item = piece.item
+        n = piece.stop - piece.start
+        a = item.ranges[rank][0]
+        src = buf[piece.offset : piece.offset + n * item.row_bytes(rank)].view(item.dtype).view(n, *item.boxes[rank][1][1:])
+        locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
+
+
+def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
+               device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
+    """Rank 0 scatters every bucket to all ranks, and broadcasts the replicated tensors."""
+    rank, world = coll.rank, coll.world_size
+    buckets = plan_buckets(sharded, world, budget)
+    stats.buckets = len(buckets)
+    if rank == 0:
+
+        def produce(bucket: _Bucket) -> list[torch.Tensor]:
+            slots = [torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device) for _ in range(world)]
+            fill_slots(bucket, slots.__getitem__, source, check_finite=check_finite)
+            return slots
+
+        prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
+        total = sum(b.slot_bytes for b in buckets) * world
+        bar = byte_progress(total, "rank0_distribute: scatter", enabled=progress, rank=rank)
+        try:
+            for bucket, slots in zip(buckets, prefetcher):
+                coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+                unpack_slot(bucket, slots[0], rank, locals_)
+                stats.bytes_sent += bucket.slot_bytes * (world - 1)
+                bar.update(bucket.slot_bytes * world)
+                del slots
+                prefetcher.release()
+        finally:
+            bar.close()
+            prefetcher.close()
+    else:
+        for bucket in buckets:
+            buf = torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device)
+            coll.scatter(buf, None, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+            stats.bytes_received += buf.numel()
+            unpack_slot(bucket, buf, rank, locals_)
+            del buf
+
+    for name, mod, local, old, is_param in replicated:
+        t = torch.empty(old.shape, dtype=old.dtype, device=device)
+        if rank == 0:
+            source.read_rows(name, 0, old.shape[0] if old.dim() else 1, t)
+            source.release(name)
+        coll.broadcast(t, src=0, what=f"broadcast of `{name}`")
+        if rank == 0:
+            stats.bytes_sent += t.numel() * t.element_size() * (world - 1)
+        else:
+            stats.bytes_received += t.numel() * t.element_size()
+        _install(mod, local, old, t, is_param)
+
+
 def materialize_meta_shards(model: nn.Module, device: torch.device) -> None:
     """Allocates (uninitialised) local storage for every sharded parameter still on ``meta``, keeping
     parameter identity (FSDP2's ``_apply`` re-pads the sharded parameters). Only local shards are
@@ -470,6 +556,7 @@ def distribute_from_rank0(
     progress: bool = False,
     local_source: SafetensorsSource | None = None,
     local_names: set[str] | None = None,
+    nodes: Any = None,
 ) -> DistributeStats:
     """Fills the ``meta`` shards of an FSDP2 model with rank 0's weights: each rank receives only its rows.
 
@@ -486,6 +573,9 @@ def distribute_from_rank0(
             by :func:`~accelerate_memsafe.distributed.local_read.agree_on_local_reads`) itself: those move
             through no collective.
         local_names: See ``local_source``.
+        nodes: A :class:`~accelerate_memsafe.distributed.topology.Nodes` for the ``node`` load source: each
+            node's leader reads ``local_names`` itself (``local_source`` on the leaders) and gets the other
+            weights from rank 0 (at most one copy per node), then scatters within its node.
 
     Returns:
         Counts and bytes for the report.
@@ -519,14 +609,14 @@ def distribute_from_rank0(
     if rank == 0:
         stats.from_checkpoint = len(source.from_checkpoint)
     materialize_meta_shards(model, device)
-    local_names = set(local_names or ()) if local_source is not None else set()
-    if local_names:
+    local_names = set(local_names or ())
+    if nodes is None and local_source is None:
+        local_names = set()
+    if nodes is None and local_names:
         _read_local(sharded, replicated, local_names, local_source, rank=rank, budget=budget, stats=stats,
                     release=source.release if rank == 0 else None, device=device)
         sharded = [i for i in sharded if i.name not in local_names]
         replicated = [r for r in replicated if r[0] not in local_names]
-    buckets = plan_buckets(sharded, world, budget)
-    stats.buckets = len(buckets)
     with torch.no_grad():
         locals_ = {i.name: i.param.to_local() for i in sharded}
         for item in sharded:
@@ -535,70 +625,16 @@ def distribute_from_rank0(
                     f"`{item.name}`: rank {rank}'s local shard has shape {tuple(locals_[item.name].shape)} after "
                     f"materialisation, its placements say {item.boxes[rank][1]}. Please report this."
                 )
+        if nodes is not None:
+            from .node_scatter import send_by_node
 
-        def unpack(bucket: _Bucket, buf: torch.Tensor) -> None:
-            for piece in bucket.pieces:
-                if piece.rank != rank:
-                    continue
-                item = piece.item
-                n = piece.stop - piece.start
-                a = item.ranges[rank][0]
-                block = item.boxes[rank][1][1:]
-                src = buf[piece.offset : piece.offset + n * item.row_bytes(rank)].view(item.dtype).view(n, *block)
-                locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
-
-        if rank == 0:
-
-            def produce(bucket: _Bucket) -> list[torch.Tensor]:
-                slots = [torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device) for _ in range(world)]
-                for piece in bucket.pieces:
-                    item = piece.item
-                    n = piece.stop - piece.start
-                    out = slots[piece.rank][piece.offset : piece.offset + n * item.row_bytes(piece.rank)]
-                    out = out.view(item.dtype).view(n, *item.boxes[piece.rank][1][1:])
-                    source.read_rows(item.name, piece.start, piece.stop, out, item.cols(piece.rank))
-                    if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
-                        raise CheckpointError(
-                            f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
-                            "fix the checkpoint or turn off `check_finite_weights`."
-                        )
-                for name in bucket.last_of:
-                    source.release(name)
-                return slots
-
-            prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
-            total = sum(b.slot_bytes for b in buckets) * world
-            bar = byte_progress(total, "rank0_distribute: scatter", enabled=progress, rank=rank)
-            try:
-                for bucket, slots in zip(buckets, prefetcher):
-                    coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
-                    unpack(bucket, slots[0])
-                    stats.bytes_sent += bucket.slot_bytes * (world - 1)
-                    bar.update(bucket.slot_bytes * world)
-                    del slots
-                    prefetcher.release()
-            finally:
-                bar.close()
-                prefetcher.close()
+            send_by_node(sharded, replicated, nodes, source=source, reader=local_source, local_names=local_names,
+                         locals_=locals_, budget=budget, prefetch_buckets=prefetch_buckets, device=device,
+                         check_finite=check_finite, progress=progress, timeout_s=coll.timeout_s, stats=stats)
         else:
-            for bucket in buckets:
-                buf = torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device)
-                coll.scatter(buf, None, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
-                stats.bytes_received += buf.numel()
-                unpack(bucket, buf)
-                del buf
-
-        for name, mod, local, old, is_param in replicated:
-            t = torch.empty(old.shape, dtype=old.dtype, device=device)
-            if rank == 0:
-                source.read_rows(name, 0, old.shape[0] if old.dim() else 1, t)
-                source.release(name)
-            coll.broadcast(t, src=0, what=f"broadcast of `{name}`")
-            if rank == 0:
-                stats.bytes_sent += t.numel() * t.element_size() * (world - 1)
-            else:
-                stats.bytes_received += t.numel() * t.element_size()
-            _install(mod, local, old, t, is_param)
+            _send_flat(sharded, replicated, source=source, coll=coll, locals_=locals_, budget=budget,
+                       prefetch_buckets=prefetch_buckets, device=device, check_finite=check_finite,
+                       progress=progress, stats=stats)
     if rank == 0:
         stats.madvised_bytes = source.released_bytes
         source.close()

@@ -80,6 +80,7 @@ def distribute_peak_bytes(model_bytes: int, *, world_size: int, rank: int, bucke
     with the scatter buffers and allocator slack); another rank one receive buffer of
     ``bucket_bytes // (prefetch_buckets + 2)``. ``"every_rank"``: every rank reads its block straight into
     its shard, through one chunk of that size when it must cast (``cast``: file dtype != training dtype).
+    ``"node"``: any rank may lead its node and stage its node's buckets, so every rank gets rank 0's bound.
 
     Example:
         >>> distribute_peak_bytes(400, world_size=2, rank=1, bucket_bytes=64, prefetch_buckets=2)
@@ -90,7 +91,7 @@ def distribute_peak_bytes(model_bytes: int, *, world_size: int, rank: int, bucke
     shard = model_bytes // max(1, world_size)
     if load_source == "every_rank":
         return shard + (min(bucket_bytes // (prefetch_buckets + 2), shard) if cast else 0)
-    if rank == 0:
+    if rank == 0 or load_source == "node":
         return shard + min(int(1.5 * bucket_bytes), model_bytes)
     return shard + min(bucket_bytes // (prefetch_buckets + 2), shard)
 
@@ -174,7 +175,7 @@ def predict(
         source = "every_rank" if load_source == "auto" else load_source
         peak = distribute_peak_bytes(P, world_size=n, rank=rank, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets,
                                      load_source=source, cast=upcast)
-        staging = min(bucket_bytes, P) if rank == 0 and source == "rank0" else 0
+        staging = min(bucket_bytes, P) if (rank == 0 and source == "rank0") or source == "node" else 0
         add("prepare", "rank0_distribute", rank, "memsafe", peak, 0, shard + staging)
         add("prepare", "buffer_init", rank, "memsafe", 0, 0, 0)
         # optimizer state (AdamW: two fp32 moments per trainable element)

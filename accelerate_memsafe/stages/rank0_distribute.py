@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..distributed.collectives import Collectives
-from ..distributed.local_read import agree_on_local_reads, close_unless
+from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless
 from ..distributed.scatter import distribute_from_rank0
+from ..distributed.topology import find_nodes
 from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran, skipped
 from .meta_placement import PLACED_KEY, SOURCE_KEY
 
@@ -54,13 +55,15 @@ class Rank0DistributeStage(Stage):
         source = ctx.scratch.pop(SOURCE_KEY, None)
         rank0_checkpoint = source.checkpoint if source is not None else None  # rank 0 only
         mode = self.options.load_source
-        local, names, why = None, set(), "load_source='rank0'"
-        if mode != "rank0" and not self.options.check_finite_weights:
-            local, names, why = agree_on_local_reads(
-                coll, rank0_checkpoint, source.from_checkpoint if source is not None else set(), mode=mode,
-            )
-        elif mode != "rank0":
-            why = "check_finite_weights: rank 0 checks every weight while sending it"
+        nodes = find_nodes(coll) if mode in ("auto", "node") else None
+        if mode == "rank0":
+            reads = LocalReads(None, set(), "rank0", "load_source='rank0'")
+        elif self.options.check_finite_weights:
+            reads = LocalReads(None, set(), "node" if mode == "node" else "rank0",
+                               "check_finite_weights: rank 0 checks every weight while sending it")
+        else:
+            reads = agree_on_local_reads(coll, rank0_checkpoint, source.from_checkpoint if source is not None else set(),
+                                         mode=mode, nodes=nodes)
         try:
             stats = distribute_from_rank0(
                 ctx.model,
@@ -71,11 +74,14 @@ class Rank0DistributeStage(Stage):
                 device=device,
                 check_finite=self.options.check_finite_weights,
                 progress=self.options.progress,
-                local_source=local,
-                local_names=names,
+                local_source=reads.source,
+                local_names=reads.names,
+                nodes=nodes if reads.load_source == "node" else None,
             )
         finally:
-            close_unless(local, rank0_checkpoint)
-        source_used = "every_rank" if stats.local_tensors and not stats.bytes_sent + stats.bytes_received else (
-            "every_rank+rank0" if stats.local_tensors else "rank0")
-        return ran(load_source=source_used, **({"rank0_because": why} if why else {}), **vars(stats))
+            close_unless(reads.source, rank0_checkpoint)
+        source_used = reads.load_source
+        if source_used == "every_rank" and (stats.bytes_sent or stats.bytes_received):
+            source_used = "every_rank+rank0"
+        where = {"nodes": [list(n) for n in nodes.ranks]} if source_used == "node" else {}
+        return ran(load_source=source_used, **({"rank0_because": reads.why} if reads.why else {}), **where, **vars(stats))

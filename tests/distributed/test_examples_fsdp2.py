@@ -71,10 +71,10 @@ def test_demo_command_runs_and_writes_the_report(tmp_path):
     assert "round trip bitwise: True" in proc.stdout
 
 
-def _launch_two_nodes(model_dir, tmp_path: Path, num_processes: int, *extra: str) -> None:
+def _launch_two_nodes(model_dir, tmp_path: Path, num_processes: int, *extra: str, env_extra: dict | None = None) -> None:
     """`accelerate launch --num_machines 2 --machine_rank {0,1}` on this machine, both "nodes" at once."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     procs = []
     for machine_rank in (0, 1):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "2", "--machine_rank", str(machine_rank),
@@ -111,10 +111,13 @@ def test_two_node_launch_on_one_machine(reference, tmp_path):
 def test_two_node_hsdp_launch_on_one_machine(reference, tmp_path):
     """Issue 13: `accelerate launch --num_machines 2 --machine_rank {0,1} --num_processes 4` (2 processes per
     "node") with accelerate's ParallelismConfig, HSDP 2 x 2 (replicate across the nodes, shard within one):
-    the rank-0 load, training steps and a save_state / load_state round trip, all through the plugin."""
+    the rank-0 load, training steps and a save_state / load_state round trip, all through the plugin, with
+    `load_source="node"` (the nodes come from the launcher): rank 0 sends node 1's leader one copy of the model
+    (the example loads with stock `from_pretrained`, so no leader may read the file), which it scatters within
+    its node."""
     model_dir, ref = reference
     _launch_two_nodes(model_dir, tmp_path, 4, "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
-                      "--parallelism_config_dp_shard_size", "2")
+                      "--parallelism_config_dp_shard_size", "2", env_extra={"ACCELERATE_MEMSAFE_LOAD_SOURCE": "node"})
     run = json.loads((tmp_path / "node0.json").read_text())
     assert run["world_size"] == 4 and run["distributed_type"] == "DistributedType.FSDP"
     assert run["mesh"] == {"dp_replicate": 2, "dp_shard": 2}
@@ -125,8 +128,14 @@ def test_two_node_hsdp_launch_on_one_machine(reference, tmp_path):
     records = json.loads((tmp_path / "report.json").read_text())["records"]
     ran = {(r["rank"], r["stage"]) for r in records if r["hook"] == "prepare" and r["status"] == "ran"}
     assert all((rank, "rank0_distribute") in ran for rank in range(4)), "the rank-0 load ran on every rank"
-    # the acceptance bound of issue 13 on ranks != 0: RssAnon over the start of prepare <= share + T + 64 MiB
+    distribute = {r["rank"]: r["details"] for r in records if r["hook"] == "prepare" and r["stage"] == "rank0_distribute"}
+    assert all(d["load_source"] == "node" and d["nodes"] == [[0, 1], [2, 3]] for d in distribute.values())
     model_bytes = 4 * sum(p["numel"] for p in run["sharding"])
+    to_node1 = distribute[0]["bytes_sent_per_node"][1]
+    assert model_bytes <= to_node1 <= model_bytes * 1.05 + 16 * 1024, "one replica crosses to node 1, once"
+    assert distribute[2]["bytes_received"] == to_node1 and distribute[3]["bytes_received"] <= to_node1 / 2 * 1.05 + 16 * 1024
+    assert distribute[1]["bytes_received"] == distribute[3]["bytes_received"] and distribute[2]["bytes_sent"] > 0
+    # the acceptance bound of issue 13 on ranks != 0: RssAnon over the start of prepare <= share + T + 64 MiB
     largest = 4 * max(p["numel"] for p in run["sharding"])
     for rank in (1, 2, 3):
         mine = [r for r in records if r["rank"] == rank and r["hook"] == "prepare" and r["cpu_anon_peak_bytes"]]

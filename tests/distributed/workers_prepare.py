@@ -126,14 +126,19 @@ def prepare_llama(
     full: bool = False,
     edit: str | None = None,
     other_checkpoint_on: int | None = None,
+    ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
     what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
     ``ParallelismConfig`` sizes) and, with ``full``, each parameter's names whose full tensor differs from
     a single-process ``from_pretrained`` of the same checkpoint (``edit``: a parameter rank 0 doubles in place
     after loading, in the reference too; ``other_checkpoint_on``: a rank that sees another checkpoint
-    identity, as a node with its own copy of the files would)."""
+    identity, as a node with its own copy of the files would; ``ranks_per_node``: the launcher's node index,
+    ``GROUP_RANK``, as ``--num_machines`` would set it)."""
     from transformers import AutoModelForCausalLM
+
+    if ranks_per_node:
+        os.environ["GROUP_RANK"] = str(rank // ranks_per_node)
 
     import accelerate_memsafe
     from accelerate_memsafe.memory.tracker import LiveTensorTracker
