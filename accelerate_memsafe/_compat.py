@@ -168,6 +168,26 @@ def fsdp2_wrap(
 
 
 @contextlib.contextmanager
+def tp_already_applied(accelerator: Any) -> Iterator[None]:
+    """While open, accelerate's ``Accelerator._prepare_tp`` (private) prepares only the objects that are not
+    models (its first and second passes): the ``shard`` stage has applied the model's TP plan and
+    ``fully_shard`` already. Its model pass would wrap the remaining parameters with transformers'
+    ``ReplicateParallel``, which transformers 5.x no longer has (an ``ImportError`` in stock accelerate 1.13).
+    """
+    check_accelerate_version()
+
+    def prepare_tp(*args: Any) -> list[Any]:
+        result = [accelerator._prepare_one(o, first_pass=True) if not isinstance(o, torch.nn.Module) else o for o in args]
+        return [accelerator._prepare_one(o) if not isinstance(o, torch.nn.Module) else o for o in result]
+
+    accelerator._prepare_tp = prepare_tp
+    try:
+        yield
+    finally:
+        del accelerator._prepare_tp
+
+
+@contextlib.contextmanager
 def filtered_fully_shard(
     root: torch.nn.Module,
     keep: Callable[[list[torch.nn.Module]], list[torch.nn.Module]],

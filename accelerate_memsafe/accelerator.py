@@ -162,8 +162,10 @@ class MemSafeMixin:
             ac = getattr(plugin, "activation_checkpointing", False) if c.is_fsdp2 and c.scratch.get("sharded") else False
             if ac:
                 plugin.activation_checkpointing = False  # already applied by `shard`, before fully_shard
+            tp = _compat.tp_already_applied(self) if c.scratch.get("tensor_parallel") else contextlib.nullcontext()
             try:
-                out = super(MemSafeMixin, self).prepare(*new_args, device_placement=device_placement)
+                with tp:
+                    out = super(MemSafeMixin, self).prepare(*new_args, device_placement=device_placement)
             finally:
                 if ac:
                     plugin.activation_checkpointing = True

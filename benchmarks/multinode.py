@@ -1,19 +1,18 @@
 """Loading a Llama checkpoint onto 4 CPU gloo ranks laid out as 2 "nodes" x 2, per mesh and per source.
 
 Meshes: ``fsdp4`` (FSDP over all 4 ranks), ``hsdp2x2`` (accelerate's ``ParallelismConfig(dp_replicate_size=2,
-dp_shard_size=2)``: replicate across the nodes, shard within one), ``fsdp2xtp2`` (FSDP 2 x TP 2 with torch's
-TP layout: colwise q/k/v/gate/up, rowwise o/down, applied by ``parallelize_module`` on meta, then
-``fully_shard`` and ``distribute_from_rank0``: accelerate's own TP prepare cannot run with the installed
-transformers, see docs/prepare.md).
+dp_shard_size=2)``: replicate across the nodes, shard within one), ``fsdp2xtp2`` (``ParallelismConfig(
+dp_shard_size=2, tp_size=2)``: the plugin applies the model's own TP plan on meta, then ``fully_shard``).
 
-Sources: ``stock`` (every rank ``from_pretrained``, ``prepare`` with ``MemSafePlugin(stages=[])`` and
-``cpu_ram_efficient_loading=True``: accelerate's broadcast; not for ``fsdp2xtp2``), ``rank0`` (the plugin,
-``load_source="rank0"``), ``every_rank`` (the plugin, ``load_source="every_rank"``: each rank reads its own
+Sources: ``stock`` (every rank ``from_pretrained``, for ``fsdp2xtp2`` with ``tp_plan="auto"`` over the ``tp``
+mesh as transformers documents it; ``prepare`` with ``MemSafePlugin(stages=[])`` and
+``cpu_ram_efficient_loading=True``: accelerate's own path), ``rank0``, ``node`` and ``every_rank`` (the plugin's
+``load_source``: rank 0 sends everything; each node's leader reads for its node; each rank reads its own
 block from the file). The default configuration otherwise (``bucket_bytes``, ``prefetch_buckets``).
 
 Per rank: peak RSS and RssAnon over the baseline (sampled every 2 ms), wall time of load + prepare, bytes
-received through ``broadcast``/``scatter`` (counted by wrapping them) and, for rank 0, bytes sent (what the
-others received). The bound checked for every rank != 0 is issue 13's: its mesh share of P + T + 64 MiB.
+received and sent through ``broadcast``/``scatter`` (counted by wrapping them: a broadcast counts once per
+receiving rank). The bound checked for every rank != 0 is issue 13's: its mesh share of P + T + 64 MiB.
 One JSON line; ``--markdown FILE`` appends a table.
 
     python benchmarks/multinode.py --model-size 1g --markdown /tmp/multinode.md
@@ -35,10 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare import MIB, _checkpoint, _Sampler, baseline, parse_args, spawn
 
 MESHES = ("fsdp4", "hsdp2x2", "fsdp2xtp2")
-SOURCES = ("stock", "rank0", "every_rank")
+SOURCES = ("stock", "rank0", "node", "every_rank")
 WORLD, PER_NODE = 4, 2
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
 
 
 def _worker(rank: int, port: int, mesh: str, source: str, ckpt: str, queue) -> None:
@@ -59,44 +56,10 @@ def _accelerator(mesh: str, source: str):
 
     plugin = MemSafePlugin(stages=[], track_live_tensors=False) if source == "stock" else MemSafePlugin(
         load_source=source, track_live_tensors=False)
-    extra = {"parallelism_config": ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)} if mesh == "hsdp2x2" else {}
+    sizes = {"hsdp2x2": {"dp_replicate_size": 2, "dp_shard_size": 2}, "fsdp2xtp2": {"dp_shard_size": 2, "tp_size": 2}}
+    extra = {"parallelism_config": ParallelismConfig(**sizes[mesh])} if mesh in sizes else {}
     fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
     return Accelerator(plugins=[plugin], fsdp_plugin=fsdp, **extra), plugin
-
-
-def _tp_load(rank: int, source: str, ckpt: str, plugin):
-    """The plugin's prepare stages by hand, with torch's TP layout between ``meta_placement`` and ``shard``."""
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import AutoModelForCausalLM
-
-    import accelerate_memsafe
-    from accelerate_memsafe.distributed.collectives import Collectives
-    from accelerate_memsafe.distributed.local_read import agree_on_local_reads, close_unless
-    from accelerate_memsafe.distributed.meta import agree_on_structure, checkpoint_source_names, move_to_meta
-    from accelerate_memsafe.distributed.scatter import Rank0Source, distribute_from_rank0
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-    model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, ckpt, dtype=torch.float32)
-    coll = Collectives("rank0_distribute", timeout_s=600)
-    originals = move_to_meta(model, [], agree_on_structure(model, coll), keep=rank == 0)
-    src = None
-    if rank == 0:
-        checkpoint, names = checkpoint_source_names(originals, getattr(model, "_memsafe_checkpoint", None))
-        src = Rank0Source(originals, checkpoint, names)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], {k: styles[v]() for k, v in TP_PLAN.items()})
-        fully_shard(layer, mesh=mesh["dp_shard"])
-    fully_shard(model, mesh=mesh["dp_shard"])
-    local, names, _ = (None, set(), None) if source == "rank0" else agree_on_local_reads(
-        coll, src.checkpoint if src else None, src.from_checkpoint if src else set(), mode=source)
-    distribute_from_rank0(model, src, coll=coll, bucket_bytes=plugin.bucket_bytes, prefetch_buckets=plugin.prefetch_buckets,
-                          device=torch.device("cpu"), local_source=local, local_names=names)
-    close_unless(local, src.checkpoint if src else None)
-    return model
 
 
 def _run(rank: int, mesh: str, source: str, ckpt: str) -> dict:
@@ -108,36 +71,44 @@ def _run(rank: int, mesh: str, source: str, ckpt: str) -> dict:
     import accelerate_memsafe
 
     torch.set_num_threads(1)
-    acc, plugin = _accelerator("fsdp4" if mesh == "fsdp2xtp2" else mesh, source)
+    acc, plugin = _accelerator(mesh, source)
     counter, base, t0 = baseline(rank)
     with _Sampler() as sampler:
-        if mesh == "fsdp2xtp2":
-            model = _tp_load(rank, source, ckpt, plugin)
+        if source == "stock" and mesh == "fsdp2xtp2":  # transformers' TP load: each rank reads its TP part
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, tp_plan="auto",
+                                                         device_mesh=acc.torch_device_mesh["tp"])
+        elif source == "stock":
+            model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
         else:
-            load = AutoModelForCausalLM.from_pretrained if source == "stock" else (
-                lambda p, dtype: accelerate_memsafe.from_pretrained(AutoModelForCausalLM, p, dtype=dtype))
-            model = load(ckpt, dtype=torch.float32)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            model, opt = acc.prepare(model, opt)
+            model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, ckpt, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, opt = acc.prepare(model, opt)
         dist.barrier()
     wall = time.perf_counter() - t0
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
     checksum = float(sum(p.full_tensor().double().sum() if isinstance(p, DTensor) else p.double().sum()
                          for p in model.parameters()))
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    chosen = next((r.details.get("load_source") for r in plugin.report.records
+                   if r.stage == "rank0_distribute" and r.status == "ran"), None)
     dist.barrier()
     return {
-        "rank": rank, "node": rank // PER_NODE,
+        "rank": rank, "node": rank // PER_NODE, "load_source": chosen,
         "rss_peak_mib": (sampler.peak_rss - base.rss) / MIB, "anon_peak_mib": (sampler.peak_anon - base.anon) / MIB,
-        "wall_s": wall, "received_mib": counter["bytes"] / MIB, "local_mib": local / MIB, "checksum": checksum,
-        "P_mib": sum(sizes) / MIB, "T_mib": max(sizes) / MIB,
+        "wall_s": wall, "received_mib": counter["bytes"] / MIB, "sent_mib": counter["sent"] / MIB,
+        "local_mib": local / MIB, "checksum": checksum, "P_mib": sum(sizes) / MIB, "T_mib": max(sizes) / MIB,
     }
 
 
-def _launch(mesh: str, source: str, ckpt: str, timeout: float) -> list[dict]:
-    runs = spawn(_worker, WORLD, (mesh, source, ckpt), timeout, f"{mesh}/{source}")
-    runs[0]["sent_mib"] = sum(r["received_mib"] for r in runs[1:])  # rank 0 is the only sender
-    return runs
+def _launch(mesh: str, source: str, ckpt: str, timeout: float) -> list[dict] | str:
+    """Each rank's figures, or (stock accelerate failing on this mesh) the error's last line."""
+    try:
+        return spawn(_worker, WORLD, (mesh, source, ckpt), timeout, f"{mesh}/{source}")
+    except RuntimeError as exc:
+        if source != "stock":
+            raise
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        return next((ln.strip() for ln in reversed(lines) if "Error" in ln), lines[-1].strip())
 
 
 def _markdown(doc: dict) -> str:
@@ -149,11 +120,15 @@ def _markdown(doc: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in doc["runs"]:
+        if "error" in run:
+            lines.append(f"| {run['mesh']} | {run['source']} | all | - | fails: `{run['error'][:120]}` | | | | | | | |")
+            continue
         for r in run["ranks"]:
             bound = r["local_mib"] + doc["T_mib"] + 64
             within = "-" if r["rank"] == 0 or run["source"] == "stock" else ("yes" if r["anon_peak_mib"] <= bound else "no")
+            source = run["source"] if r.get("load_source") in (None, run["source"]) else f"{run['source']} ({r['load_source']})"
             lines.append(
-                f"| {run['mesh']} | {run['source']} | {r['rank']} | {r['node']} | {r['anon_peak_mib']:.0f} | {r['rss_peak_mib']:.0f} | "
+                f"| {run['mesh']} | {source} | {r['rank']} | {r['node']} | {r['anon_peak_mib']:.0f} | {r['rss_peak_mib']:.0f} | "
                 f"{r['received_mib']:.0f} | {r.get('sent_mib', 0):.0f} | {r['local_mib']:.0f} | {r['wall_s']:.2f} | "
                 f"{bound:.0f} | {within} |"
             )
@@ -176,12 +151,13 @@ def main(argv: list[str] | None = None) -> dict:
     checksums = set()
     for mesh in [m for m in args.meshes.split(",") if m]:
         for source in [s for s in args.sources.split(",") if s]:
-            if mesh == "fsdp2xtp2" and source == "stock":
-                continue
             ranks = _launch(mesh, source, str(ckpt), args.timeout)
+            if isinstance(ranks, str):
+                doc["runs"].append({"mesh": mesh, "source": source, "error": ranks})
+                continue
             checksums.add(round(ranks[0]["checksum"], 3))
             doc["runs"].append({"mesh": mesh, "source": source, "ranks": ranks})
-    first = doc["runs"][0]["ranks"][0]
+    first = next(r for r in doc["runs"] if "ranks" in r)["ranks"][0]
     doc["P_mib"], doc["T_mib"] = first["P_mib"], first["T_mib"]
     doc["checksums_equal"] = len(checksums) == 1
     print(json.dumps(doc))

@@ -68,19 +68,25 @@ class _Sampler:
 
 
 def _count_received(rank: int) -> dict:
-    """Wraps broadcast/scatter (module and c10d attributes) to count the bytes this rank receives."""
+    """Wraps broadcast/scatter (module and c10d attributes) to count the bytes this rank receives
+    (``bytes``) and sends (``sent``: a broadcast's tensor once per other rank of its group, a scatter's
+    chunks but its own)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    counter = {"bytes": 0}
+    counter = {"bytes": 0, "sent": 0}
 
     def wrap(fn, kind):
         def inner(tensor, *args, **kwargs):
             src = kwargs.get("src", args[1] if kind == "scatter" and len(args) > 1 else args[0] if args else 0)
-            if kind == "broadcast" and src != rank:
-                counter["bytes"] += tensor.numel() * tensor.element_size()
-            if kind == "scatter" and src != rank:
-                counter["bytes"] += tensor.numel() * tensor.element_size()
+            nbytes = tensor.numel() * tensor.element_size()
+            if src != rank:
+                counter["bytes"] += nbytes
+            elif kind == "broadcast":
+                counter["sent"] += nbytes * (dist.get_world_size(kwargs.get("group")) - 1)
+            else:
+                chunks = kwargs.get("scatter_list", args[0] if args else None) or []
+                counter["sent"] += sum(c.numel() * c.element_size() for c in chunks) - nbytes
             return fn(tensor, *args, **kwargs)
 
         return inner

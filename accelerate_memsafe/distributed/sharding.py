@@ -13,8 +13,9 @@ from .. import _compat
 def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, parallelism_config: Any = None) -> str | None:
     """Why an FSDP2 prepare stage has nothing to do (``None``: it applies).
 
-    Tensor parallelism (``tp_size > 1``) is left to accelerate: its ``prepare`` applies the TP layout
-    before ``fully_shard``, which the ``shard`` stage would otherwise apply first.
+    Tensor parallelism (``tp_size > 1``) applies when the model's own TP plan maps to torch's styles
+    (:func:`~accelerate_memsafe.distributed.tensor_parallel.resolve_tp_plan`); otherwise accelerate's
+    ``prepare`` is left to apply it.
 
     Example:
         >>> fsdp2_prepare_skip_reason(is_fsdp2=False, model=None)
@@ -30,8 +31,17 @@ def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, 
         return "model is already sharded"
     tp = getattr(parallelism_config, "tp_size", 1) or 1
     if tp > 1:
-        return (f"tensor parallelism (parallelism_config.tp_size={tp}): accelerate applies the TP layout before "
-                "fully_shard, so its own prepare loads and shards this model")
+        from torch.distributed.tensor import DTensor
+
+        from .tensor_parallel import resolve_tp_plan
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            return (f"tensor parallelism (parallelism_config.tp_size={tp}) with a model already parallelised while "
+                    "loading (`tp_plan`): accelerate's own prepare finishes it")
+        problem = resolve_tp_plan(model)[2]
+        if problem:
+            return (f"tensor parallelism (parallelism_config.tp_size={tp}): {problem}; accelerate's own prepare is "
+                    "left to apply it")
     return None
 
 
@@ -257,6 +267,14 @@ def shard_model(
         >>> # model = shard_model(model, [opt], fsdp_plugin=plugin, mixed_precision="no")
     """
     old = named_parameters_canonical(model)
+    tp = getattr(parallelism_config, "tp_size", 1) or 1
+    if tp > 1:  # TP first, on meta, then activation checkpointing, then fully_shard (torchtitan's order)
+        from .tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+
+        plan, _, problem = resolve_tp_plan(model)
+        if problem:
+            raise ValueError(f"tensor parallelism: {problem}")
+        apply_tensor_parallel(model, mesh["tp"], plan)
     resolve_wrap_policy(fsdp_plugin, model)
     if fsdp_plugin.activation_checkpointing:
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)

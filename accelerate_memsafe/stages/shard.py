@@ -9,7 +9,8 @@ from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 class ShardStage(Stage):
     """Wraps the model with ``fully_shard`` (accelerate's wrap policy, mixed precision and offload
     settings) and points the optimizers at the sharded parameters; accelerate's ``prepare`` then finds an
-    already-sharded model and does the rest (optimizer wrapping, dataloaders, schedulers).
+    already-sharded model and does the rest (optimizer wrapping, dataloaders, schedulers). With
+    ``tp_size > 1`` the model's own TP plan is applied first, on ``meta``.
     """
 
     name = "shard"
@@ -21,6 +22,14 @@ class ShardStage(Stage):
                                            parallelism_config=ctx.scratch.get("parallelism_config"))
         if reason:
             return skipped(reason)
+        tp = getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1
+        tp_details = {}
+        if tp > 1:
+            from ..distributed.tensor_parallel import resolve_tp_plan
+
+            plan, tied, _ = resolve_tp_plan(ctx.model)
+            tp_details = {"tp_size": tp, "tp_modules": len(plan), **({"tp_kept_replicated": tied} if tied else {})}
+            ctx.scratch["tensor_parallel"] = True
         ctx.model = shard_model(
             ctx.model,
             ctx.optimizers,
@@ -34,4 +43,4 @@ class ShardStage(Stage):
         ctx.scratch["sharded"] = True
         n_params = sum(1 for _ in ctx.model.parameters())
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in ctx.model.parameters())
-        return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size)
+        return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size, **tp_details)

@@ -1,7 +1,7 @@
-"""Rank-0 load on 2-D meshes (issue 13), 4 gloo processes: HSDP 2 x 2 through ``Accelerator`` with
-accelerate's ``ParallelismConfig`` (which stock accelerate refuses on a CPU), and FSDP 2 x TP 2 with torch's
-TP layout through ``distribute_from_rank0``. Every rank ends bitwise with the single-process weights and
-receives only its own block."""
+"""Rank-0 load on 2-D meshes (issue 13), 4 gloo processes: HSDP 2 x 2 and FSDP 2 x TP 2 (the model's own TP
+plan) through ``Accelerator`` with accelerate's ``ParallelismConfig`` (which stock accelerate refuses on a CPU,
+and whose TP prepare fails with transformers 5.x), and torch's TP layout through ``distribute_from_rank0``.
+Every rank ends bitwise with the single-process weights and receives only its own block."""
 
 from __future__ import annotations
 
@@ -37,6 +37,34 @@ def test_hsdp_2x2_rank0_load_is_bitwise_a_single_process_load(small_llama_dir):
             # its HSDP share (half the model: one of 2 shards) and no more, up to uneven rows and alignment
             assert total / 2 <= received <= total / 2 * 1.05 + 16 * 1024, (received, total)
     assert results[0]["loss"] == results[1]["loss"] == results[2]["loss"] == results[3]["loss"]
+
+
+def test_fsdp_x_tp_2x2_through_accelerate_prepare_is_bitwise_a_single_process_load(small_llama_dir):
+    results = run_on_ranks(
+        workers_prepare.prepare_llama, 4, init_process_group=False, timeout=240, model_dir=str(small_llama_dir),
+        track=True, full=True, parallelism={"dp_shard_size": 2, "tp_size": 2},
+        plugin_kwargs={"bucket_bytes": 256 * 1024, "load_source": "rank0"},
+    )
+    total = sum(4 * _numel(s) for s in results[0]["full_shapes"].values())
+    placements = results[0]["placements"]
+    assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"  # rowwise
+    assert placements["model.layers.0.mlp.up_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # colwise
+    for rank, res in enumerate(results):
+        assert res["differs_from_single_process"] == [], f"rank {rank}"
+        ran = {r["stage"]: r for r in res["report"]["records"] if r["rank"] == rank and r["hook"] == "prepare"}
+        assert all(ran[s]["status"] == "ran" for s in ("meta_placement", "shard", "rank0_distribute", "buffer_init"))
+        assert ran["shard"]["details"]["tp_size"] == 2 and ran["shard"]["details"]["tp_modules"] == 30
+        # the TP forward (all-reduces in another order) computes the single-process loss
+        assert abs(res["loss"] - res["single_process_loss"]) <= 1e-5, (res["loss"], res["single_process_loss"])
+        if rank:
+            full = {s for s in res["full_shapes"].values() if s[0] >= 2}
+            # (DTensor's strided-shard index arithmetic makes int64 aranges of a norm's length: not weights)
+            weights = [a for a in res["allocs"] if a[1] in full and a[2] == 4 * _numel(a[1])]
+            assert weights == [], f"rank {rank} allocated a full-size parameter"
+            received = ran["rank0_distribute"]["details"]["bytes_received"]
+            # its quarter of the norms-free weights, half of each norm (FSDP only): about P / 4, never more
+            assert total / 4 * 0.95 <= received <= total / 4 * 1.05 + 16 * 1024, (received, total)
+    assert len({res["loss"] for res in results}) == 1
 
 
 def test_fsdp_x_tp_2x2_rank0_distribution_fills_every_block(tmp_path):

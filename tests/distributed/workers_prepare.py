@@ -182,7 +182,11 @@ def prepare_llama(
         model, opt = acc.prepare(model, opt)
     out = _describe(model)
     if full:  # every rank ends with rank 0's (here: the file's) weights, whatever the mesh
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).state_dict()
+        reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        with torch.no_grad():
+            ids = batch(reference_model.config.vocab_size)
+            out["single_process_loss"] = reference_model(input_ids=ids, labels=ids).loss.float().item()
+        reference = reference_model.state_dict()
         if edit:
             reference[edit] = reference[edit] * 2
         out["differs_from_single_process"] = [n for n, p in model.named_parameters()
