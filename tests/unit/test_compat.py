@@ -60,3 +60,29 @@ def test_start_next_epoch_fresh_leaves_an_untested_torchdata_alone(monkeypatch):
     with pytest.warns(UserWarning, match="torchdata >=0.10.0,<0.12.0; found torchdata 9.0.0"):
         assert not _compat.start_next_epoch_fresh(dl)
     assert dl.next_iter_state is not None
+
+
+def test_tp_already_applied_replaces_accelerates_prepare_tp_with_its_non_model_passes():
+    # accelerate's `_prepare_tp` prepares non-model objects in two passes, then wraps the model's parameters
+    # with transformers' ReplicateParallel; the plugin keeps the two passes and drops the model pass
+    import inspect
+
+    import torch
+    from accelerate import Accelerator
+
+    src = inspect.getsource(Accelerator._prepare_tp)
+    assert "first_pass=True" in src and "ReplicateParallel" in src
+    assert "_prepare_tp(*args)" in inspect.getsource(Accelerator.prepare)
+
+    calls = []
+
+    class Fake:
+        def _prepare_one(self, obj, first_pass=False):
+            calls.append((obj, first_pass))
+            return f"{obj}'"
+
+    acc, model = Fake(), torch.nn.Linear(2, 2)
+    with _compat.tp_already_applied(acc):
+        out = acc._prepare_tp(model, "opt")
+    assert out[0] is model and out[1] == "opt''" and calls == [("opt", True), ("opt'", False)]
+    assert not hasattr(acc, "_prepare_tp"), "the accelerator's own method is back after the block"
