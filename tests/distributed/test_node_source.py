@@ -30,7 +30,7 @@ def _run(model_dir, parallelism, **kwargs):
                         parallelism=parallelism, ranks_per_node=2, **kwargs)
 
 
-@pytest.mark.parametrize("parallelism", [FSDP4, HSDP], ids=["fsdp4", "hsdp2x2"])
+@pytest.mark.parametrize("parallelism", [pytest.param(FSDP4, marks=pytest.mark.slow), HSDP], ids=["fsdp4", "hsdp2x2"])
 def test_leaders_without_the_files_get_at_most_one_copy_per_node_from_rank0(small_llama_dir, parallelism):
     # rank 2, node 1's leader, sees another checkpoint: everything comes from rank 0, through the leaders
     results = _run(small_llama_dir, parallelism, other_checkpoint_on=2, plugin_kwargs={"load_source": "node", "bucket_bytes": 256 * 1024})
