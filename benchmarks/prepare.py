@@ -11,7 +11,13 @@ prepared with ``mixed_precision="bf16"`` (accelerate keeps fp32 master weights, 
 * ``dcp``: rank 0 ``from_pretrained``, other ranks build on meta; the model goes to meta, accelerate's
   wrapping (``_compat.fsdp2_wrap``), ``to_empty``, then torch DCP
   ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` from rank 0's state dict.
-* ``memsafe``: ``accelerate_memsafe.from_pretrained`` + ``prepare`` with the plugin's prepare stages.
+* ``memsafe``: ``accelerate_memsafe.from_pretrained`` + ``prepare`` with the plugin's default prepare stages
+  and options (``load_source="auto"``: on one machine every rank reads its own block from the file).
+* ``memsafe_rank0``: the same with ``load_source="rank0"``: rank 0 reads and scatters every block.
+
+After each plugin run, with the sampler stopped: the ``rank0_distribute`` stage's wall (from the report) and a
+raw ``dist.scatter`` of the same bytes (each rank's local shard size, from pre-touched buffers, one call):
+the transport's limit on this machine, measured in the same process group.
 
 Per rank: peak RSS and peak RssAnon over the process baseline (sampled every 2 ms, VmHWM cross-check),
 wall time of load + prepare, bytes received through ``broadcast``/``scatter`` (counted by wrapping them).
@@ -36,7 +42,7 @@ import traceback
 from pathlib import Path
 
 MIB = 2**20
-PATHS = ("stock", "dcp", "memsafe")
+PATHS = ("stock", "dcp", "memsafe", "memsafe_rank0")
 SETTINGS = {"fp32": ("float32", "no"), "bf16": ("bfloat16", "bf16")}
 
 
@@ -127,9 +133,10 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
     plugin = None
     if path == "stock":
         plugin = MemSafePlugin(stages=[], track_live_tensors=False)
-    elif path == "memsafe":
+    elif path in ("memsafe", "memsafe_rank0"):
         plugin = MemSafePlugin(
-            stages=["meta_placement", "shard", "rank0_distribute", "buffer_init"], bucket_bytes=bucket, track_live_tensors=False
+            stages=["meta_placement", "shard", "rank0_distribute", "buffer_init"], bucket_bytes=bucket, track_live_tensors=False,
+            load_source="rank0" if path == "memsafe_rank0" else "auto",
         )
     if plugin is not None:
         acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name)
@@ -145,7 +152,7 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
             model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             model, opt = acc.prepare(model, opt)
-        elif path == "memsafe":
+        elif path in ("memsafe", "memsafe_rank0"):
             model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, ckpt, dtype=dtype)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             model, opt = acc.prepare(model, opt)
@@ -160,7 +167,12 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
     checksum = float(sum((p.to_local() if isinstance(p, DTensor) else p).detach().double().sum() for p in model.parameters()))
     shapes = {n: (tuple(p.shape), p.element_size()) for n, p in model.named_parameters()}
     dist.barrier()
-    return {
+    stage = {}
+    if path.startswith("memsafe"):
+        rec = next(r for r in plugin.report.records if r.stage == "rank0_distribute" and r.hook == "prepare")
+        stage = {"distribute_s": rec.wall_s, "load_source": rec.details.get("load_source"),
+                 "raw_scatter_s": _raw_scatter(rank, world, local)}
+    return {**stage,
         "rank": rank,
         "rss_peak_mib": (sampler.peak_rss - base.rss) / MIB,
         "anon_peak_mib": (sampler.peak_anon - base.anon) / MIB,
@@ -200,6 +212,23 @@ def _warm_up() -> None:
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     del model
+
+
+def _raw_scatter(rank: int, world: int, nbytes: int) -> float:
+    """Seconds of one ``dist.scatter`` of ``nbytes`` to every rank from pre-touched buffers (best of 2)."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.ones(nbytes, dtype=torch.uint8)
+    chunks = [torch.ones(nbytes, dtype=torch.uint8) for _ in range(world)] if rank == 0 else None
+    best = float("inf")
+    for _ in range(2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.scatter(out, chunks, src=0)
+        dist.barrier()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _dcp_load(rank: int, ckpt: str, dtype, fsdp_plugin, mp_name: str):
@@ -290,7 +319,7 @@ def _markdown(doc: dict) -> str:
                 lines.append(
                     f"| {s['setting']} | {s['P_mib']:.0f} | {s['T_mib']:.0f} | {path} | {r['rank']} | {r['rss_peak_mib']:.0f} | "
                     f"{r['anon_peak_mib']:.0f} | {r['hwm_mib']:.0f} | {r['received_mib']:.0f} | {r['local_mib']:.0f} | "
-                    f"{r['wall_s']:.2f} | {bound:.0f} | {within if path == 'memsafe' else '-'} |"
+                    f"{r['wall_s']:.2f} | {bound:.0f} | {within if path.startswith('memsafe') else '-'} |"
                 )
     lines.append("")
     lines.append("| setting | ratio memsafe/stock: rank 0 RssAnon | rank 1 RssAnon | rank 0 RSS | max wall | ratio memsafe/dcp: rank 1 RssAnon |")
@@ -300,6 +329,15 @@ def _markdown(doc: dict) -> str:
         lines.append(
             f"| {s['setting']} | {q['anon_rank0']:.2f} | {q['anon_rank1']:.2f} | {q['rss_rank0']:.2f} | {q['wall']:.2f} | {q['anon_rank1_vs_dcp']:.2f} |"
         )
+    lines.append("")
+    lines.append("| setting | path | load_source | rank0_distribute (s) | raw scatter of the same bytes (s) | ratio | max wall (s) | / stock | / dcp |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for s in doc["settings"]:
+        for path, t in s.get("transport", {}).items():
+            lines.append(
+                f"| {s['setting']} | {path} | {t['load_source']} | {t['distribute_s']:.3f} | {t['raw_scatter_s']:.3f} | "
+                f"{t['ratio']:.2f} | {t['wall_s']:.2f} | {t['wall_vs_stock']:.2f} | {t['wall_vs_dcp']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -365,6 +403,17 @@ def main(argv: list[str] | None = None) -> dict:
             entry["memsafe_within_bounds"] = all(
                 r["anon_peak_mib"] <= (entry["bound_rank0_mib"] if r["rank"] == 0 else entry["bound_rank1_mib"]) for r in m
             )
+        entry["transport"] = {}
+        for path in [p for p in runs if p.startswith("memsafe")]:
+            rs = runs[path]
+            wall = max(r["wall_s"] for r in rs)
+            entry["transport"][path] = {
+                "load_source": rs[0]["load_source"], "distribute_s": max(r["distribute_s"] for r in rs),
+                "raw_scatter_s": rs[0]["raw_scatter_s"], "wall_s": wall,
+                "wall_vs_stock": wall / max(r["wall_s"] for r in runs["stock"]) if "stock" in runs else float("nan"),
+                "wall_vs_dcp": wall / max(r["wall_s"] for r in runs["dcp"]) if "dcp" in runs else float("nan"),
+            }
+            entry["transport"][path]["ratio"] = entry["transport"][path]["distribute_s"] / rs[0]["raw_scatter_s"]
         doc["settings"].append(entry)
     print(json.dumps(doc))
     if args.markdown:

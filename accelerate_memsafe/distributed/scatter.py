@@ -487,40 +487,106 @@ def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str
         locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
 
 
+def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The bytes of this rank's local shard that ``bucket`` fills, when they can be the scatter's output
+    itself (no staging copy): one piece, at offset 0, exactly a slot long, contiguous, on the
+    collective's device. ``None`` otherwise."""
+    mine = [p for p in bucket.pieces if p.rank == rank]
+    if len(mine) != 1 or mine[0].offset != 0:
+        return None
+    piece = mine[0]
+    a = piece.item.ranges[rank][0]
+    region = locals_[piece.item.name][piece.start - a : piece.stop - a]
+    if region.dim() == 0 or region.device != device or not region.is_contiguous():
+        return None
+    if region.numel() * region.element_size() != bucket.slot_bytes:
+        return None
+    return region.reshape(-1).view(torch.uint8)
+
+
+class BufferRing:
+    """Reusable byte buffers (at most as many as the prefetch keeps alive): no fresh allocation, and no
+    page faults on fresh pages, per bucket. Thread-safe: the prefetch thread takes, the sender gives back.
+
+    Example:
+        >>> ring = BufferRing(8, torch.device("cpu"))
+        >>> a = ring.take(); ring.give(a); ring.take() is a
+        True
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
 def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
                device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
-    """Rank 0 scatters every bucket to all ranks, and broadcasts the replicated tensors."""
+    """Rank 0 scatters every bucket to all ranks, and broadcasts the replicated tensors.
+
+    Buffers are reused (:class:`BufferRing` on rank 0, one staging buffer elsewhere), and a rank whose part
+    of a bucket is one contiguous piece of its shard receives it in place (:func:`direct_region`); rank 0
+    reads its own piece straight into its shard.
+    """
     rank, world = coll.rank, coll.world_size
     buckets = plan_buckets(sharded, world, budget)
     stats.buckets = len(buckets)
+    largest = max((b.slot_bytes for b in buckets), default=0)
     if rank == 0:
+        ring = BufferRing(world * largest, coll.device)
 
-        def produce(bucket: _Bucket) -> list[torch.Tensor]:
-            slots = [torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device) for _ in range(world)]
+        def produce(bucket: _Bucket) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+            flat = ring.take()
+            n = bucket.slot_bytes
+            slots = [flat[r * n : (r + 1) * n] for r in range(world)]
+            own = direct_region(bucket, 0, locals_, coll.device)
+            if own is not None:
+                slots[0] = own
             fill_slots(bucket, slots.__getitem__, source, check_finite=check_finite)
-            return slots
+            return flat, slots, own is not None
 
         prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
         total = sum(b.slot_bytes for b in buckets) * world
         bar = byte_progress(total, "rank0_distribute: scatter", enabled=progress, rank=rank)
         try:
-            for bucket, slots in zip(buckets, prefetcher):
+            for bucket, (flat, slots, in_place) in zip(buckets, prefetcher):
                 coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
-                unpack_slot(bucket, slots[0], rank, locals_)
+                if not in_place:
+                    unpack_slot(bucket, slots[0], rank, locals_)
                 stats.bytes_sent += bucket.slot_bytes * (world - 1)
                 bar.update(bucket.slot_bytes * world)
                 del slots
+                ring.give(flat)
                 prefetcher.release()
         finally:
             bar.close()
             prefetcher.close()
     else:
+        staging = None
         for bucket in buckets:
-            buf = torch.empty(bucket.slot_bytes, dtype=torch.uint8, device=coll.device)
-            coll.scatter(buf, None, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
-            stats.bytes_received += buf.numel()
-            unpack_slot(bucket, buf, rank, locals_)
-            del buf
+            what = f"scatter of bucket {bucket.index + 1}/{len(buckets)}"
+            region = direct_region(bucket, rank, locals_, coll.device)
+            if region is not None:
+                coll.scatter(region, None, src=0, what=what)
+            else:
+                if staging is None:
+                    staging = torch.empty(largest, dtype=torch.uint8, device=coll.device)
+                buf = staging[: bucket.slot_bytes]
+                coll.scatter(buf, None, src=0, what=what)
+                unpack_slot(bucket, buf, rank, locals_)
+            stats.bytes_received += bucket.slot_bytes
+        del staging
 
     for name, mod, local, old, is_param in replicated:
         t = torch.empty(old.shape, dtype=old.dtype, device=device)
