@@ -2,9 +2,10 @@
 
 A rank that died or never reached a collective makes the others fail with
 :class:`~accelerate_memsafe.errors.CollectiveTimeoutError` within ``timeout_s``, naming the stage, the
-operation and the rank(s) that did not arrive. To name them, each rank marks its arrival at every
-collective in the process group's key-value store (one small ``set`` per collective, no extra
-round trip of tensors); on failure the waiting rank looks up which marks are missing.
+operation and the rank(s) that did not arrive. To name them, a rank still waiting in a collective after
+:data:`PEER_CHECK_INTERVAL_S` marks its arrival in the process group's key-value store (one small ``set``;
+an op that completes sooner costs no store traffic); on failure the waiting rank looks up which marks are
+missing.
 
 A rank that *raised* does not make the others wait that long: inside a hook call (:func:`hook_scope`,
 opened by the pipeline) the failing rank publishes its error in the store, and a rank waiting in a
@@ -337,16 +338,21 @@ class Collectives:
         try:
             done = work.is_completed()
         except Exception:  # a backend without is_completed(): block up to the deadline, as before
+            self._arrive(self._count - 1)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             return
         spin_until = time.monotonic() + _SPIN_S
         next_check = started + PEER_CHECK_INTERVAL_S
+        marked = False
         sleep = _FIRST_SLEEP_S
         while not done:
             now = time.monotonic()
             if now >= deadline:
                 _abandon(work, self.group, f"{what} in stage `{self.stage}`")
                 raise TimeoutError(f"still pending after {now - started:.1f}s")
+            if now >= next_check and not marked:
+                self._arrive(self._count - 1)  # only a slow op leaves a mark: the fast path has no store traffic
+                marked = True
             if now >= next_check and self._scope is not None:
                 failures = self._scope.peer_failures()
                 if failures:
@@ -375,7 +381,6 @@ class Collectives:
         """
         index = self._count
         self._count += 1
-        self._arrive(index)
         started = time.monotonic()
         try:
             work = start()
@@ -384,6 +389,7 @@ class Collectives:
         except PeerStageError:
             raise
         except Exception as exc:
+            self._arrive(index)
             missing = self._missing(index)
             who = (
                 f"rank(s) {missing} never reached it"

@@ -67,6 +67,7 @@ def test_fsdp_x_tp_2x2_through_accelerate_prepare_is_bitwise_a_single_process_lo
     assert len({res["loss"] for res in results}) == 1
 
 
+@pytest.mark.slow  # the Accelerator test above covers the same blocks (and cuts them into many buckets)
 def test_fsdp_x_tp_2x2_rank0_distribution_fills_every_block(tmp_path):
     results = run_on_ranks(workers_mesh.tp_distribute, 4, timeout=180, bucket_bytes=8 * 1024)
     placements = results[0]["placements"]
