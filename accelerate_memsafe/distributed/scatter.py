@@ -78,7 +78,8 @@ class Rank0Source:
             self._aliases.setdefault(id(t), []).append(name)
         self.checkpoint = checkpoint
         self.from_checkpoint = set(from_checkpoint or ())
-        self._pages = CleanFilePages(t for n, t in self.tensors.items() if n not in self.from_checkpoint)
+        self._pages = CleanFilePages({id(t): t for t in self.tensors.values()}.values())
+        self._mapped: set[str] = set()  # checkpoint names that were read through the mapping after all
         self.released_bytes = 0
 
     def is_meta(self, name: str) -> bool:
@@ -97,12 +98,29 @@ class Rank0Source:
         src = t[start:stop] if t.dim() else t
         out.copy_(src if cols is None else src[(slice(None), *cols)])
 
+    def rows_view(self, name: str, start: int, stop: int, dtype: torch.dtype, cols: tuple[slice, ...] | None) -> torch.Tensor | None:
+        """Rows ``[start, stop)`` of ``name`` as the bytes of rank 0's own tensor, when they can be sent as
+        they are (same dtype, whole rows, contiguous): no copy. ``None`` otherwise.
+
+        Example:
+            >>> src = Rank0Source({"w": torch.arange(6.).view(3, 2)})
+            >>> src.rows_view("w", 1, 2, torch.float32, None).numel(), src.rows_view("w", 1, 2, torch.float64, None)
+            (8, None)
+        """
+        t = self.tensors.get(name)
+        if t is None or t.is_meta or t.dtype != dtype or cols is not None or t.dim() == 0 or not t.is_contiguous():
+            return None
+        if t.device.type != "cpu":
+            return None
+        self._mapped.add(name)
+        return t[start:stop].reshape(-1).view(torch.uint8)
+
     def release(self, name: str) -> None:
         """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel."""
         t = self.tensors.pop(name, None)
         for alias in self._aliases.pop(id(t), ()) if t is not None else ():
             self.tensors.pop(alias, None)  # the other names of a tie: the tensor has been sent
-        if t is None or name in self.from_checkpoint:
+        if t is None or (name in self.from_checkpoint and name not in self._mapped):
             return
         self.released_bytes += self._pages.drop(t)
 
@@ -451,9 +469,11 @@ def _install(mod: nn.Module, local: str, old: torch.Tensor, t: torch.Tensor, is_
         mod._buffers[local] = t
 
 
-def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any = None, check_finite: bool = False) -> None:
+def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any = None, check_finite: bool = False,
+               release: bool = True) -> None:
     """Reads each piece of ``bucket`` (for the ranks in ``ranks``, default all) from ``source`` into the
-    buffer ``slot_of(rank)``, cast to the parameter's dtype; releases the tensors whose last rows it read.
+    buffer ``slot_of(rank)``, cast to the parameter's dtype; releases the tensors whose last rows it read
+    (``release=False``: the caller does, once the bucket is sent).
 
     Raises:
         CheckpointError: If ``check_finite`` and a piece holds NaN or Inf.
@@ -471,8 +491,9 @@ def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any
                 f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
                 "fix the checkpoint or turn off `check_finite_weights`."
             )
-    for name in bucket.last_of:
-        source.release(name)
+    if release:
+        for name in bucket.last_of:
+            source.release(name)
 
 
 def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str, torch.Tensor]) -> None:
@@ -502,6 +523,16 @@ def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], 
     if region.numel() * region.element_size() != bucket.slot_bytes:
         return None
     return region.reshape(-1).view(torch.uint8)
+
+
+def _as_is(bucket: _Bucket, rank: int, source: Rank0Source) -> torch.Tensor | None:
+    """Rank ``rank``'s whole slot of ``bucket`` as a view of rank 0's tensor (see :meth:`Rank0Source.rows_view`)."""
+    mine = [p for p in bucket.pieces if p.rank == rank]
+    if len(mine) != 1 or mine[0].offset != 0:
+        return None
+    p = mine[0]
+    view = source.rows_view(p.item.name, p.start, p.stop, p.item.dtype, p.item.cols(rank))
+    return view if view is not None and view.numel() == bucket.slot_bytes else None
 
 
 class BufferRing:
@@ -553,7 +584,15 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             own = direct_region(bucket, 0, locals_, coll.device)
             if own is not None:
                 slots[0] = own
-            fill_slots(bucket, slots.__getitem__, source, check_finite=check_finite)
+            # a rank's whole slot that is rows of rank 0's tensor as they are: sent from there, not copied
+            fill = set(range(world))
+            if not check_finite and coll.device.type == "cpu":
+                for r in range(1, world):
+                    view = _as_is(bucket, r, source)
+                    if view is not None:
+                        slots[r] = view
+                        fill.discard(r)
+            fill_slots(bucket, slots.__getitem__, source, ranks=fill, check_finite=check_finite, release=False)
             return flat, slots, own is not None
 
         prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
@@ -564,6 +603,8 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
                 coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
                 if not in_place:
                     unpack_slot(bucket, slots[0], rank, locals_)
+                for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
+                    source.release(name)
                 stats.bytes_sent += bucket.slot_bytes * (world - 1)
                 bar.update(bucket.slot_bytes * world)
                 del slots
