@@ -210,14 +210,16 @@ def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> 
     buckets: list[_Bucket] = []
     cur = _Bucket(0)
     used = [0] * world_size
+    top = 0  # max(used)
 
     def close() -> None:
-        nonlocal cur, used
+        nonlocal cur, used, top
         if cur.pieces or cur.last_of:
-            cur.slot_bytes = max(used)
+            cur.slot_bytes = top
             buckets.append(cur)
             cur = _Bucket(len(buckets))
         used = [0] * world_size
+        top = 0
 
     per_rank = bucket_budget // world_size
     for item in items:
@@ -231,11 +233,13 @@ def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> 
                 s, e = min(a + k * rows, b), min(a + (k + 1) * rows, b)
                 if e > s:
                     unit.append((r, s, e, _align((e - s) * item.row_bytes(r))))
-            if any(used) and world_size * max(used[r] + (n if r == ur else 0) for r in range(world_size) for ur, _, _, n in unit) > bucket_budget:
+            # the bucket's cost with the unit: world_size slots of the largest rank's bytes (O(world) per unit)
+            if top and world_size * max(top, max((used[r] + n for r, _, _, n in unit), default=0)) > bucket_budget:
                 close()
             for r, s, e, n in unit:
                 cur.pieces.append(_Piece(item, r, s, e, used[r]))
                 used[r] += n
+                top = max(top, used[r])
             k += 1
             if k * rows >= longest:
                 break

@@ -152,3 +152,41 @@ def test_rank0_source_reads_0d_tensors(tmp_path, from_checkpoint):
     src.read_rows("beta", 0, 1, out)
     assert out.item() == 0.5
     src.close()
+
+
+def _plan_quadratic(items, world, budget):
+    """The plan as it was computed before issue 14 (O(world²) per unit): the reference for the O(world) one."""
+    from accelerate_memsafe.distributed.scatter import _align
+
+    out, cur, used = [], [], [0] * world
+    for item in items:
+        ranges = item.ranges
+        longest = max(b - a for a, b in ranges)
+        rows = max(1, (budget // world - 16) // max(1, max(item.row_bytes(r) for r in range(world))))
+        k = 0
+        while True:
+            unit = [(r, min(a + k * rows, b), min(a + (k + 1) * rows, b)) for r, (a, b) in enumerate(ranges)]
+            unit = [(r, s, e, _align((e - s) * item.row_bytes(r))) for r, s, e in unit if e > s]
+            if any(used) and world * max(used[r] + (n if r == ur else 0) for r in range(world) for ur, _, _, n in unit) > budget:
+                out.append((cur, max(used)))
+                cur, used = [], [0] * world
+            for r, s, e, n in unit:
+                cur.append((item.name, r, s, e, used[r]))
+                used[r] += n
+            k += 1
+            if k * rows >= longest:
+                break
+    out.append((cur, max(used)))
+    return [b for b in out if b[0]]
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_the_linear_plan_is_the_quadratic_plan(world):
+    import random
+
+    rng = random.Random(world)
+    items = [_item(f"t{i}", (rng.randint(1, 300), rng.randint(1, 40)), world) for i in range(40)]
+    budget = 8192
+    got = [([(p.item.name, p.rank, p.start, p.stop, p.offset) for p in b.pieces], b.slot_bytes)
+           for b in plan_buckets(items, world, budget) if b.pieces]
+    assert got == _plan_quadratic(items, world, budget)
