@@ -33,7 +33,7 @@ def _child(path: str, src: Path, out: Path, shard: str, cpu_fraction: float) -> 
     from accelerate_memsafe.io.offload_reader import cpu_disk_device_map
     from accelerate_memsafe.memory.probe import MemoryProbe
     from accelerate_memsafe.memory.procfs import malloc_trim, read_proc_memory, reset_peak_rss
-    from accelerate_memsafe.plugin import parse_size
+    from accelerate_memsafe.sizes import parse_size
 
     with torch.device("meta"):
         from transformers import AutoConfig
@@ -168,7 +168,7 @@ def main() -> None:
         print(json.dumps(_child(args.child, Path(args.src), Path(args.out), args.shard_sizes, args.cpu_fraction)))
         return
 
-    from accelerate_memsafe.plugin import parse_size
+    from accelerate_memsafe.sizes import parse_size
 
     work = Path(tempfile.mkdtemp(prefix="memsafe-offloaded-save-"))
     try:

@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--bucket-bytes", default="64MiB")
     args = parse_args(parser, argv, timeout=600)
-    from accelerate_memsafe.plugin import parse_size
+    from accelerate_memsafe.sizes import parse_size
 
     bucket = parse_size(args.bucket_bytes)
     cache = Path(args.cache_dir or os.path.join(tempfile.gettempdir(), "memsafe-bench-prepare"))

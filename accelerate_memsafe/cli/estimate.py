@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     import psutil
 
     from ..memory.estimate import node_totals, predict, summarize_checkpoint, to_dicts
-    from ..plugin import parse_size
+    from ..sizes import parse_size
 
     summary = summarize_checkpoint(args.checkpoint)
     preds = predict(

@@ -24,16 +24,9 @@ import torch.distributed as dist
 
 from ..memory.progress import byte_progress
 from .collectives import Collectives
-from .scatter import (
-    BoundedPrefetcher,
-    DistributeStats,
-    Rank0Source,
-    _Bucket,
-    _install,
-    fill_slots,
-    plan_buckets,
-    unpack_slot,
-)
+from .plan import _Bucket, plan_buckets
+from .source import Rank0Source
+from .transport import BoundedPrefetcher, DistributeStats, _install, fill_slots, unpack_slot
 from .topology import Nodes, node_groups
 
 

@@ -23,7 +23,7 @@ import torch
 from .. import _compat
 from ..errors import CheckpointError
 from ..memory.procfs import malloc_trim
-from ..plugin import parse_size
+from ..sizes import parse_size
 from . import atomic
 from .mapped_pages import file_backed_ranges, release_mapped_pages
 from .offload_reader import OffloadedTensorReader

@@ -20,7 +20,7 @@ from ..distributed.meta import (
     move_to_meta,
     parallelism_blocks_meta_placement,
 )
-from ..distributed.scatter import Rank0Source
+from ..distributed.source import Rank0Source
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
 #: ``ctx.scratch`` key of rank 0's weight source (``Rank0Source``); ``None`` on other ranks.

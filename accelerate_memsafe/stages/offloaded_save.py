@@ -12,7 +12,7 @@ from ..io.offloaded_save import save_offloaded, write_offloaded
 from ..io.shard_plan import plan_offloaded_save, saveable_state_dict
 from ..errors import PipelineError
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
-from ..plugin import parse_size
+from ..sizes import parse_size
 
 
 class OffloadedSaveStage(Stage):

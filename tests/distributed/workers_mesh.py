@@ -39,7 +39,8 @@ def tp_distribute(rank: int, world_size: int, *, bucket_bytes: int) -> dict[str,
 
     from accelerate_memsafe.distributed.collectives import Collectives
     from accelerate_memsafe.distributed.meta import agree_on_structure, move_to_meta
-    from accelerate_memsafe.distributed.scatter import Rank0Source, distribute_from_rank0
+    from accelerate_memsafe.distributed.scatter import distribute_from_rank0
+    from accelerate_memsafe.distributed.source import Rank0Source
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     torch.manual_seed(0)

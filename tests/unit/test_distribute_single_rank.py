@@ -10,7 +10,8 @@ from torch import nn
 from accelerate_memsafe import CheckpointError
 from accelerate_memsafe.distributed.collectives import Collectives
 from accelerate_memsafe.distributed.meta import move_to_meta, weights_metadata
-from accelerate_memsafe.distributed.scatter import Rank0Source, distribute_from_rank0
+from accelerate_memsafe.distributed.scatter import distribute_from_rank0
+from accelerate_memsafe.distributed.source import Rank0Source
 
 
 @pytest.fixture

@@ -8,7 +8,9 @@ import time
 import pytest
 import torch
 
-from accelerate_memsafe.distributed.scatter import BoundedPrefetcher, Rank0Source, _Sharded, plan_buckets, row_boxes, shard_rows
+from accelerate_memsafe.distributed.plan import _Sharded, plan_buckets, row_boxes, shard_rows
+from accelerate_memsafe.distributed.source import Rank0Source
+from accelerate_memsafe.distributed.transport import BoundedPrefetcher
 
 
 @pytest.mark.parametrize("n,world", [(5, 2), (1, 2), (7, 4), (8, 4), (3, 4), (0, 2)])
@@ -156,7 +158,7 @@ def test_rank0_source_reads_0d_tensors(tmp_path, from_checkpoint):
 
 def _plan_quadratic(items, world, budget):
     """The plan as it was computed before issue 14 (O(world²) per unit): the reference for the O(world) one."""
-    from accelerate_memsafe.distributed.scatter import _align
+    from accelerate_memsafe.distributed.plan import _align
 
     out, cur, used = [], [], [0] * world
     for item in items:

@@ -1,0 +1,288 @@
+"""Moving the planned buckets: rank 0 prepares buckets ahead in a bounded background thread, from reusable
+buffers, and scatters them; the other ranks receive in place where the layout allows.
+
+Memory bound on rank 0: a semaphore keeps at most ``prefetch_buckets + 1`` buckets alive, each of at most
+``bucket_bytes // (prefetch_buckets + 2)`` bytes, plus one unit-sized conversion temporary: the cast copies
+alive at once never exceed ``bucket_bytes``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import _compat
+from ..errors import CheckpointError
+from ..memory.progress import byte_progress
+from .collectives import Collectives
+from .plan import _Bucket, plan_buckets
+from .source import Rank0Source
+
+class BoundedPrefetcher:
+    """Runs ``produce(bucket)`` for each bucket in a background thread, keeping at most ``max_alive``
+    results alive (produced and not yet released by the consumer): a hard bound, unlike a queue size.
+
+    The thread re-enters the caller's dispatch modes so that a live-tensor tracker sees its allocations.
+
+    Example:
+        >>> pf = BoundedPrefetcher(lambda b: b * 2, [1, 2, 3], max_alive=2)
+        >>> out = []
+        >>> for x in pf:
+        ...     out.append(x); pf.release()
+        >>> out
+        [2, 4, 6]
+    """
+
+    def __init__(self, produce: Any, items: list[Any], *, max_alive: int) -> None:
+        self._produce = produce
+        self._items = items
+        self._sem = threading.Semaphore(max_alive)
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._modes = _compat.current_dispatch_modes()
+        self._thread = threading.Thread(target=self._run, name="memsafe-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with contextlib.ExitStack() as stack:
+            try:
+                for mode in self._modes:
+                    stack.enter_context(mode)
+            except Exception:
+                pass
+            try:
+                with torch.no_grad():
+                    for item in self._items:
+                        while not self._sem.acquire(timeout=0.1):
+                            if self._stop.is_set():
+                                return
+                        if self._stop.is_set():
+                            return
+                        self._queue.put(("ok", self._produce(item)))
+            except BaseException as exc:
+                self._queue.put(("error", exc))
+
+    def __iter__(self) -> Iterator[Any]:
+        for _ in self._items:
+            status, value = self._queue.get()
+            if status == "error":
+                raise value
+            yield value
+            value = None
+
+    def release(self) -> None:
+        """Says the consumer dropped the last result it got (lets the thread produce the next one)."""
+        self._sem.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+@dataclass
+class DistributeStats:
+    """Figures for the stage report."""
+
+    buckets: int = 0
+    sharded_tensors: int = 0
+    replicated_tensors: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bucket_budget: int = 0
+    madvised_bytes: int = 0
+    from_checkpoint: int = 0
+    local_tensors: int = 0
+    """Weights every rank read from the checkpoint itself (``load_source``), not sent by rank 0."""
+    bytes_read_locally: int = 0
+    bytes_sent_per_node: list[int] = field(default_factory=list)
+    """``node`` source, on rank 0: the bytes it sent to each node's ranks (its own node first)."""
+
+
+def _install(mod: nn.Module, local: str, old: torch.Tensor, t: torch.Tensor, is_param: bool) -> None:
+    """Puts ``t`` in place of the replicated parameter or buffer ``old`` (a parameter keeps its identity)."""
+    if is_param:
+        torch.utils.swap_tensors(old, nn.Parameter(t, requires_grad=old.requires_grad))
+    else:
+        mod._buffers[local] = t
+
+
+def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any = None, check_finite: bool = False,
+               release: bool = True) -> None:
+    """Reads each piece of ``bucket`` (for the ranks in ``ranks``, default all) from ``source`` into the
+    buffer ``slot_of(rank)``, cast to the parameter's dtype; releases the tensors whose last rows it read
+    (``release=False``: the caller does, once the bucket is sent).
+
+    Raises:
+        CheckpointError: If ``check_finite`` and a piece holds NaN or Inf.
+    """
+    for piece in bucket.pieces:
+        if ranks is not None and piece.rank not in ranks:
+            continue
+        item = piece.item
+        n = piece.stop - piece.start
+        out = slot_of(piece.rank)[piece.offset : piece.offset + n * item.row_bytes(piece.rank)]
+        out = out.view(item.dtype).view(n, *item.boxes[piece.rank][1][1:])
+        source.read_rows(item.name, piece.start, piece.stop, out, item.cols(piece.rank))
+        if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
+            raise CheckpointError(
+                f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
+                "fix the checkpoint or turn off `check_finite_weights`."
+            )
+    if release:
+        for name in bucket.last_of:
+            source.release(name)
+
+
+def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str, torch.Tensor]) -> None:
+    """Copies this rank's pieces of ``bucket`` from the received ``buf`` into its local shards."""
+    for piece in bucket.pieces:
+        if piece.rank != rank:
+            continue
+        item = piece.item
+        n = piece.stop - piece.start
+        a = item.ranges[rank][0]
+        src = buf[piece.offset : piece.offset + n * item.row_bytes(rank)].view(item.dtype).view(n, *item.boxes[rank][1][1:])
+        locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
+
+
+def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """The bytes of this rank's local shard that ``bucket`` fills, when they can be the scatter's output
+    itself (no staging copy): one piece, at offset 0, exactly a slot long, contiguous, on the
+    collective's device. ``None`` otherwise."""
+    mine = [p for p in bucket.pieces if p.rank == rank]
+    if len(mine) != 1 or mine[0].offset != 0:
+        return None
+    piece = mine[0]
+    a = piece.item.ranges[rank][0]
+    region = locals_[piece.item.name][piece.start - a : piece.stop - a]
+    if region.dim() == 0 or region.device != device or not region.is_contiguous():
+        return None
+    if region.numel() * region.element_size() != bucket.slot_bytes:
+        return None
+    return region.reshape(-1).view(torch.uint8)
+
+
+def _as_is(bucket: _Bucket, rank: int, source: Rank0Source) -> torch.Tensor | None:
+    """Rank ``rank``'s whole slot of ``bucket`` as a view of rank 0's tensor (see :meth:`Rank0Source.rows_view`)."""
+    mine = [p for p in bucket.pieces if p.rank == rank]
+    if len(mine) != 1 or mine[0].offset != 0:
+        return None
+    p = mine[0]
+    view = source.rows_view(p.item.name, p.start, p.stop, p.item.dtype, p.item.cols(rank))
+    return view if view is not None and view.numel() == bucket.slot_bytes else None
+
+
+class BufferRing:
+    """Reusable byte buffers (at most as many as the prefetch keeps alive): no fresh allocation, and no
+    page faults on fresh pages, per bucket. Thread-safe: the prefetch thread takes, the sender gives back.
+
+    Example:
+        >>> ring = BufferRing(8, torch.device("cpu"))
+        >>> a = ring.take(); ring.give(a); ring.take() is a
+        True
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.Tensor:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+
+def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
+               device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
+    """Rank 0 scatters every bucket to all ranks, and broadcasts the replicated tensors.
+
+    Buffers are reused (:class:`BufferRing` on rank 0, one staging buffer elsewhere), and a rank whose part
+    of a bucket is one contiguous piece of its shard receives it in place (:func:`direct_region`); rank 0
+    reads its own piece straight into its shard.
+    """
+    rank, world = coll.rank, coll.world_size
+    buckets = plan_buckets(sharded, world, budget)
+    stats.buckets = len(buckets)
+    largest = max((b.slot_bytes for b in buckets), default=0)
+    if rank == 0:
+        ring = BufferRing(world * largest, coll.device)
+
+        def produce(bucket: _Bucket) -> tuple[torch.Tensor, list[torch.Tensor], bool]:
+            flat = ring.take()
+            n = bucket.slot_bytes
+            slots = [flat[r * n : (r + 1) * n] for r in range(world)]
+            own = direct_region(bucket, 0, locals_, coll.device)
+            if own is not None:
+                slots[0] = own
+            # a rank's whole slot that is rows of rank 0's tensor as they are: sent from there, not copied
+            fill = set(range(world))
+            if not check_finite and coll.device.type == "cpu":
+                for r in range(1, world):
+                    view = _as_is(bucket, r, source)
+                    if view is not None:
+                        slots[r] = view
+                        fill.discard(r)
+            fill_slots(bucket, slots.__getitem__, source, ranks=fill, check_finite=check_finite, release=False)
+            return flat, slots, own is not None
+
+        prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
+        total = sum(b.slot_bytes for b in buckets) * world
+        bar = byte_progress(total, "rank0_distribute: scatter", enabled=progress, rank=rank)
+        try:
+            for bucket, (flat, slots, in_place) in zip(buckets, prefetcher):
+                coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+                if not in_place:
+                    unpack_slot(bucket, slots[0], rank, locals_)
+                for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
+                    source.release(name)
+                stats.bytes_sent += bucket.slot_bytes * (world - 1)
+                bar.update(bucket.slot_bytes * world)
+                del slots
+                ring.give(flat)
+                prefetcher.release()
+        finally:
+            bar.close()
+            prefetcher.close()
+    else:
+        staging = None
+        for bucket in buckets:
+            what = f"scatter of bucket {bucket.index + 1}/{len(buckets)}"
+            region = direct_region(bucket, rank, locals_, coll.device)
+            if region is not None:
+                coll.scatter(region, None, src=0, what=what)
+            else:
+                if staging is None:
+                    staging = torch.empty(largest, dtype=torch.uint8, device=coll.device)
+                buf = staging[: bucket.slot_bytes]
+                coll.scatter(buf, None, src=0, what=what)
+                unpack_slot(bucket, buf, rank, locals_)
+            stats.bytes_received += bucket.slot_bytes
+        del staging
+
+    for name, mod, local, old, is_param in replicated:
+        t = torch.empty(old.shape, dtype=old.dtype, device=device)
+        if rank == 0:
+            source.read_rows(name, 0, old.shape[0] if old.dim() else 1, t)
+            source.release(name)
+        coll.broadcast(t, src=0, what=f"broadcast of `{name}`")
+        if rank == 0:
+            stats.bytes_sent += t.numel() * t.element_size() * (world - 1)
+        else:
+            stats.bytes_received += t.numel() * t.element_size()
+        _install(mod, local, old, t, is_param)
+
+
