@@ -45,6 +45,11 @@ class _Sharded:
         """``rank``'s slices of dimensions 1.. (``None``: whole rows, as under FSDP alone)."""
         return block_cols(self.boxes[rank], self.shape)
 
+    def slice_bytes(self, rank: int) -> int:
+        """Bytes of one index of dim 1 within one row of ``rank``'s block (tensors of 2+ dims)."""
+        width = self.boxes[rank][1][1]
+        return self.row_bytes(rank) // width if width else 0
+
 
 @dataclass
 class _Piece:
@@ -53,6 +58,32 @@ class _Piece:
     start: int  # global rows [start, stop)
     stop: int
     offset: int  # byte offset in that rank's buffer
+    sub: tuple[int, int] | None = None
+    """A range of dim 1 within the rank's block, when one row is larger than the budget (fused MoE experts):
+    the piece is rows ``[start, stop)`` x that range."""
+
+    @property
+    def nbytes(self) -> int:
+        if self.sub is None:
+            return (self.stop - self.start) * self.item.row_bytes(self.rank)
+        return (self.stop - self.start) * (self.sub[1] - self.sub[0]) * self.item.slice_bytes(self.rank)
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The piece's shape: rows x the rank's block (dim 1 narrowed to ``sub``)."""
+        block = self.item.boxes[self.rank][1]
+        if self.sub is None:
+            return (self.stop - self.start, *block[1:])
+        return (self.stop - self.start, self.sub[1] - self.sub[0], *block[2:])
+
+    def cols(self) -> tuple[slice, ...] | None:
+        """The global slices of dims 1.. to read (``None``: whole rows)."""
+        cols = self.item.cols(self.rank)
+        if self.sub is None:
+            return cols
+        if cols is None:
+            return (slice(self.sub[0], self.sub[1]),) + tuple(slice(None) for _ in self.item.shape[2:])
+        first = cols[0].start or 0
+        return (slice(first + self.sub[0], first + self.sub[1]), *cols[1:])
 
 
 @dataclass
@@ -93,7 +124,9 @@ def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> 
 
     A bucket costs ``world_size`` buffers of its largest per-rank size (``dist.scatter`` sends equal
     sizes); units are added while that cost stays within ``bucket_budget``. A unit holds at most
-    ``bucket_budget / world_size`` bytes per rank, so only a single row larger than that can exceed it.
+    ``bucket_budget / world_size`` bytes per rank; a tensor (of 2+ dims) whose single row is larger than
+    that (a fused MoE expert) is cut along dim 1 as well, so only a single dim-1 slice of a row larger than
+    the per-rank budget can exceed it.
     """
     buckets: list[_Bucket] = []
     cur = _Bucket(0)
@@ -113,23 +146,36 @@ def plan_buckets(items: list[_Sharded], world_size: int, bucket_budget: int) -> 
     for item in items:
         ranges = item.ranges
         longest = max(b - a for a, b in ranges)
-        rows = max(1, (per_rank - _ALIGN) // max(1, max(item.row_bytes(r) for r in range(world_size))))
+        widest = max(item.row_bytes(r) for r in range(world_size))
+        rows = max(1, (per_rank - _ALIGN) // max(1, widest))
+        split = widest > per_rank - _ALIGN and len(item.shape) >= 2
+        if split:  # one row per unit, cut into ranges of dim 1
+            cols = max(1, (per_rank - _ALIGN) // max(1, max(item.slice_bytes(r) for r in range(world_size))))
+            width = max(item.boxes[r][1][1] for r in range(world_size))
+            per_row = max(1, -(-width // cols))
+            steps = longest * per_row
         k = 0
         while True:
             unit = []
             for r, (a, b) in enumerate(ranges):
+                if split:
+                    row, j = divmod(k, per_row)
+                    c0, c1 = j * cols, min((j + 1) * cols, item.boxes[r][1][1])
+                    if a + row < b and c1 > c0:
+                        unit.append((r, a + row, a + row + 1, _align((c1 - c0) * item.slice_bytes(r)), (c0, c1)))
+                    continue
                 s, e = min(a + k * rows, b), min(a + (k + 1) * rows, b)
                 if e > s:
-                    unit.append((r, s, e, _align((e - s) * item.row_bytes(r))))
+                    unit.append((r, s, e, _align((e - s) * item.row_bytes(r)), None))
             # the bucket's cost with the unit: world_size slots of the largest rank's bytes (O(world) per unit)
-            if top and world_size * max(top, max((used[r] + n for r, _, _, n in unit), default=0)) > bucket_budget:
+            if top and world_size * max(top, max((used[r] + n for r, _, _, n, _ in unit), default=0)) > bucket_budget:
                 close()
-            for r, s, e, n in unit:
-                cur.pieces.append(_Piece(item, r, s, e, used[r]))
+            for r, s, e, n, sub in unit:
+                cur.pieces.append(_Piece(item, r, s, e, used[r], sub))
                 used[r] += n
                 top = max(top, used[r])
             k += 1
-            if k * rows >= longest:
+            if (k >= steps) if split else (k * rows >= longest):
                 break
         cur.last_of.append(item.name)
     close()

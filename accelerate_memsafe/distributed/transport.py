@@ -126,10 +126,9 @@ def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any
         if ranks is not None and piece.rank not in ranks:
             continue
         item = piece.item
-        n = piece.stop - piece.start
-        out = slot_of(piece.rank)[piece.offset : piece.offset + n * item.row_bytes(piece.rank)]
-        out = out.view(item.dtype).view(n, *item.boxes[piece.rank][1][1:])
-        source.read_rows(item.name, piece.start, piece.stop, out, item.cols(piece.rank))
+        out = slot_of(piece.rank)[piece.offset : piece.offset + piece.nbytes]
+        out = out.view(item.dtype).view(piece.block_shape())
+        source.read_rows(item.name, piece.start, piece.stop, out, piece.cols())
         if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
             raise CheckpointError(
                 f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
@@ -146,10 +145,10 @@ def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str
         if piece.rank != rank:
             continue
         item = piece.item
-        n = piece.stop - piece.start
         a = item.ranges[rank][0]
-        src = buf[piece.offset : piece.offset + n * item.row_bytes(rank)].view(item.dtype).view(n, *item.boxes[rank][1][1:])
-        locals_[item.name][piece.start - a : piece.stop - a].copy_(src)
+        src = buf[piece.offset : piece.offset + piece.nbytes].view(item.dtype).view(piece.block_shape())
+        dst = locals_[item.name][piece.start - a : piece.stop - a]
+        (dst if piece.sub is None else dst[:, piece.sub[0] : piece.sub[1]]).copy_(src)
 
 
 def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
@@ -157,7 +156,7 @@ def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], 
     itself (no staging copy): one piece, at offset 0, exactly a slot long, contiguous, on the
     collective's device. ``None`` otherwise."""
     mine = [p for p in bucket.pieces if p.rank == rank]
-    if len(mine) != 1 or mine[0].offset != 0:
+    if len(mine) != 1 or mine[0].offset != 0 or mine[0].sub is not None:
         return None
     piece = mine[0]
     a = piece.item.ranges[rank][0]
@@ -172,7 +171,7 @@ def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], 
 def _as_is(bucket: _Bucket, rank: int, source: Rank0Source) -> torch.Tensor | None:
     """Rank ``rank``'s whole slot of ``bucket`` as a view of rank 0's tensor (see :meth:`Rank0Source.rows_view`)."""
     mine = [p for p in bucket.pieces if p.rank == rank]
-    if len(mine) != 1 or mine[0].offset != 0:
+    if len(mine) != 1 or mine[0].offset != 0 or mine[0].sub is not None:
         return None
     p = mine[0]
     view = source.rows_view(p.item.name, p.start, p.stop, p.item.dtype, p.item.cols(rank))

@@ -222,6 +222,9 @@ class SafetensorsSource:
         if cols is None and out.dtype == entry.dtype and out.is_contiguous() and out.device.type == "cpu":
             self.read(name, a, b, out=out)
             return (b - a) * entry.row_bytes
+        if cols is not None and len(entry.shape) >= 2 and all(
+                (c.start or 0) == 0 and (c.stop is None or c.stop >= n) for c, n in zip(cols[1:], entry.shape[2:])):
+            return self._read_dim1(name, a, b, cols[0], out)
         step = max(1, chunk_bytes // max(1, entry.row_bytes))
         done = 0
         for s in range(a, b, step):
@@ -230,6 +233,34 @@ class SafetensorsSource:
             out[s - a : e - a].copy_(rows_read if cols is None else rows_read[(slice(None), *cols)])
             done += (e - s) * entry.row_bytes
         return done
+
+    def _read_dim1(self, name: str, a: int, b: int, span: slice, out: torch.Tensor) -> int:
+        """Rows ``[a, b)`` x the range ``span`` of dim 1 (the other dims whole): contiguous bytes within each
+        row, so each row is one ``pread`` of just those bytes (a TP column block, a slice of a fused expert),
+        cast into ``out`` through a temporary of that size when the dtypes differ."""
+        entry = self.entries[name]
+        c0, c1 = span.start or 0, entry.shape[1] if span.stop is None else min(span.stop, entry.shape[1])
+        inner = entry.row_bytes // max(1, entry.shape[1])
+        nbytes = (c1 - c0) * inner
+        direct = out.dtype == entry.dtype and out.device.type == "cpu"
+        tmp = None if direct else torch.empty((c1 - c0, *entry.shape[2:]), dtype=entry.dtype)
+        fd = self._fd(entry.file)
+        for r in range(a, b):
+            target = out[r - a] if direct else tmp
+            if direct and not target.is_contiguous():
+                target, direct_row = torch.empty(target.shape, dtype=target.dtype), False
+            else:
+                direct_row = True
+            view = memoryview(target.view(torch.uint8).numpy() if target.dtype != torch.uint8 else target.numpy()).cast("B")
+            offset, done = entry.offset + r * entry.row_bytes + c0 * inner, 0
+            while done < nbytes:
+                n = os.preadv(fd, [view[done:nbytes]], offset + done)
+                if n <= 0:
+                    raise CheckpointError(f"short read of `{name}` from {entry.file}: the file changed while reading.")
+                done += n
+            if not direct or not direct_row:
+                out[r - a].copy_(target)
+        return (b - a) * nbytes
 
     def close(self) -> None:
         """Closes the open file descriptors."""

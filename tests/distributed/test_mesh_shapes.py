@@ -84,3 +84,13 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+@pytest.mark.parametrize("nodes", [False, True], ids=["flat", "node"])
+def test_fused_experts_larger_than_a_bucket_arrive_bitwise(nodes):
+    # an expert row is 2400 bytes, a rank's share of the 1 KiB bucket budget 512: cut along dim 1 (issue 14)
+    results = run_on_ranks(workers_mesh.experts_distribute, 2, timeout=120, bucket_bytes=3 * 1024, nodes=nodes)
+    for rank, res in enumerate(results):
+        assert res["differs"] == [], f"rank {rank}"
+        assert res["bucket_budget"] == 1024 and res["buckets"] > 6 * 50 * 12 * 4 // 1024
+

@@ -64,3 +64,44 @@ def tp_distribute(rank: int, world_size: int, *, bucket_bytes: int) -> dict[str,
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     return {"differs": differs, "placements": {n: str(p.placements) for n, p in model.named_parameters()},
             "bytes_received": stats.bytes_received, "local_bytes": local, "buckets": stats.buckets}
+
+
+class Experts(nn.Module):
+    """Fused MoE experts (experts x 2·intermediate x hidden) and a router: one expert row is larger than the
+    per-rank bucket budget the tests use, so it is sent in dim-1 ranges."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(6, 50, 12))
+        self.down_proj = nn.Parameter(torch.randn(6, 12, 25))
+        self.router = nn.Linear(12, 6, bias=False)
+
+
+def experts_distribute(rank: int, world_size: int, *, bucket_bytes: int, nodes: bool = False) -> dict[str, Any]:
+    """FSDP over ``world_size`` ranks of :class:`Experts`, filled from rank 0 (``nodes``: through the ``node``
+    transport, each rank its own node). Returns the names whose full tensor differs from rank 0's model and the
+    distribution figures."""
+    from torch.distributed.fsdp import fully_shard
+
+    from accelerate_memsafe.distributed.collectives import Collectives
+    from accelerate_memsafe.distributed.meta import agree_on_structure, move_to_meta
+    from accelerate_memsafe.distributed.scatter import distribute_from_rank0
+    from accelerate_memsafe.distributed.source import Rank0Source
+    from accelerate_memsafe.distributed.topology import Nodes
+
+    torch.manual_seed(0)
+    reference = {k: v.clone() for k, v in Experts().state_dict().items()}
+    if rank == 0:
+        torch.manual_seed(0)
+        model = Experts()
+    else:
+        with torch.device("meta"):
+            model = Experts()
+    coll = Collectives("rank0_distribute", timeout_s=60)
+    originals = move_to_meta(model, [], agree_on_structure(model, coll), keep=rank == 0)
+    fully_shard(model)
+    layout = Nodes(tuple((r,) for r in range(world_size))) if nodes else None
+    stats = distribute_from_rank0(model, Rank0Source(originals) if rank == 0 else None, coll=coll,
+                                  bucket_bytes=bucket_bytes, prefetch_buckets=1, device=torch.device("cpu"), nodes=layout)
+    differs = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), reference[n])]
+    return {"differs": differs, "buckets": stats.buckets, "bucket_budget": stats.bucket_budget}

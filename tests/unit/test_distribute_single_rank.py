@@ -66,3 +66,21 @@ def test_missing_source_tensor_is_named(group):
             model, Rank0Source(originals), coll=Collectives("test", timeout_s=30), bucket_bytes=1 << 20,
             prefetch_buckets=1, device=torch.device("cpu"),
         )
+
+
+def test_a_row_larger_than_a_bucket_is_sent_in_dim1_ranges(group):
+    from torch.distributed.fsdp import fully_shard
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up = nn.Parameter(torch.randn(3, 40, 6))  # a row is 960 bytes, a bucket 24 here
+
+    torch.manual_seed(1)
+    model = Experts()
+    ref = model.gate_up.detach().clone()
+    originals = move_to_meta(model, [], weights_metadata(model), keep=True)
+    fully_shard(model)
+    stats = distribute_from_rank0(model, Rank0Source(originals), coll=Collectives("test", timeout_s=30), bucket_bytes=96,
+                                  prefetch_buckets=2, device=torch.device("cpu"))
+    assert stats.buckets >= 3 * 40 // 4 and torch.equal(model.gate_up.to_local(), ref)

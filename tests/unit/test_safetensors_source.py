@@ -78,3 +78,22 @@ def test_detects_zero_copy_views_of_the_file(tiny_llama_dir):
     assert is_view_of_entry(w.detach(), src.entries["model.embed_tokens.weight"], maps)
     assert not is_view_of_entry(w.detach().clone(), src.entries["model.embed_tokens.weight"], maps)
     assert not is_view_of_entry(w.detach(), src.entries["lm_head.weight"], maps), "another tensor's bytes"
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("span", [slice(3, 11), slice(0, 16), slice(15, 16)])
+def test_a_dim1_range_is_read_as_the_bytes_of_each_row(tmp_path, out_dtype, span):
+    # a fused-expert shape (experts, out, in): a range of dim 1 is contiguous within each row of the file
+    w = torch.randn(5, 16, 6).to(torch.bfloat16)
+    save_file({"experts": w, "cols": w[:, :, 0].contiguous()}, str(tmp_path / "model.safetensors"))
+    src = SafetensorsSource(tmp_path)
+    out = torch.empty((3, span.stop - span.start, 6), dtype=out_dtype)
+    read = src.read_block("experts", (1, 4), (span, slice(None)), out, chunk_bytes=1 << 20)
+    assert torch.equal(out, w[1:4, span].to(out_dtype)) and read == 3 * (span.stop - span.start) * 6 * 2
+    two_d = torch.empty((5, span.stop - span.start), dtype=out_dtype)  # a TP column block of a 2-D weight
+    src.read_block("cols", (0, 5), (span,), two_d, chunk_bytes=1 << 20)
+    assert torch.equal(two_d, w[:, span, 0].to(out_dtype))
+    strided = torch.empty((3, 6, span.stop - span.start), dtype=out_dtype).transpose(1, 2)  # not contiguous
+    src.read_block("experts", (1, 4), (span, slice(None)), strided, chunk_bytes=1 << 20)
+    assert torch.equal(strided, w[1:4, span].to(out_dtype))
+    src.close()

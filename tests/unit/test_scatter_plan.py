@@ -192,3 +192,23 @@ def test_the_linear_plan_is_the_quadratic_plan(world):
     got = [([(p.item.name, p.rank, p.start, p.stop, p.offset) for p in b.pieces], b.slot_bytes)
            for b in plan_buckets(items, world, budget) if b.pieces]
     assert got == _plan_quadratic(items, world, budget)
+
+
+def test_a_fused_expert_row_larger_than_the_budget_is_cut_along_dim_1():
+    # Qwen3-MoE-30B's fused gate_up_proj (128 experts x 1536 x 2048, fp32 master weights) at 8 ranks: one row
+    # (an expert, 12 MiB) is 6x a rank's share of a 16 MiB bucket budget (64 MiB, 2 prefetched buckets)
+    world, budget = 8, (64 << 20) // 4
+    item = _item("experts.gate_up_proj", (128, 1536, 2048), world)
+    buckets = plan_buckets([item], world, budget)
+    assert all(world * b.slot_bytes <= budget for b in buckets), max(b.slot_bytes for b in buckets)
+    covered = {r: torch.zeros(16, 1536, dtype=torch.int32) for r in range(world)}  # (row, dim-1 index) per rank
+    for b in buckets:
+        for p in b.pieces:
+            a = item.ranges[p.rank][0]
+            assert p.sub is not None and p.stop - p.start == 1
+            assert p.block_shape() == (1, p.sub[1] - p.sub[0], 2048)
+            assert p.offset + p.nbytes <= b.slot_bytes
+            covered[p.rank][p.start - a, p.sub[0] : p.sub[1]] += 1
+    assert all(bool((c == 1).all()) for c in covered.values()), "every row x column of every block exactly once"
+    # rank 0 holds at most prefetch + 1 buckets of cast copies: within bucket_bytes, not 8 x 12 MiB per bucket
+    assert 3 * max(world * b.slot_bytes for b in buckets) <= 64 << 20
