@@ -243,6 +243,10 @@ def validate_stage_names(
 
 
 def _merge(first: ProbeResult, second: ProbeResult) -> ProbeResult:
+    """One stage's two parts (``run`` before accelerate's call, ``after`` after it) as one result: the wall
+    time is the stage's own (the sum), and each part keeps its own time span in ``segments``, so the
+    timeline does not claim accelerate's call in between."""
+
     def peak(a, b):
         return b if a is None else a if b is None else max(a, b)
 
@@ -261,6 +265,8 @@ def _merge(first: ProbeResult, second: ProbeResult) -> ProbeResult:
         device_delta_bytes=add(first.device_delta_bytes, second.device_delta_bytes),
         live_tensor_peak_bytes=peak(first.live_tensor_peak_bytes, second.live_tensor_peak_bytes),
         timeline=first.timeline + second.timeline,
+        start_s=first.start_s,
+        segments=first.segments + second.segments,
     )
 
 
@@ -427,7 +433,8 @@ class Pipeline:
             live_tensor_peak_bytes=result.live_tensor_peak_bytes,
             cpu_rss_start_bytes=result.cpu_rss_start_bytes,
             cpu_anon_start_bytes=result.cpu_anon_start_bytes,
-            start_s=start,
+            start_s=result.segments[0][0] if result.segments else start,
+            segments=[list(seg) for seg in result.segments],
             details=dict(outcome.details),
             timeline=[[s.t, s.rss, s.anon] for s in result.timeline],
         )

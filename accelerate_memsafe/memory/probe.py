@@ -56,6 +56,12 @@ class ProbeResult:
     device_delta_bytes: int | None
     live_tensor_peak_bytes: int | None
     timeline: list[Sample] = field(default_factory=list)
+    start_s: float = 0.0
+    """When the region started (seconds since the probe's origin)."""
+    segments: list[tuple[float, float]] = field(default_factory=list)
+    """``(start_s, wall_s)`` of each measured region: one for a probe, several for a stage whose parts ran
+    at different times (:func:`~accelerate_memsafe.pipeline.Pipeline.run` merges a stage's ``after`` part
+    into its record). Every timeline sample lies inside one of them."""
 
 
 def _device_index(mod, device: torch.device) -> torch.device:
@@ -157,10 +163,11 @@ class MemoryProbe:
         self._sample()
         end = read_proc_memory()
         start = self._start_mem
+        samples = self._in_region(wall)
         rss_peak = anon_peak = None
-        if self._samples:
-            rss_peak = max(s.rss for s in self._samples)
-            anon_peak = max(s.anon for s in self._samples)
+        if samples:
+            rss_peak = max(s.rss for s in samples)
+            anon_peak = max(s.anon for s in samples)
             if end is not None and start is not None and end.hwm > start.hwm:  # a new VmHWM was set inside
                 rss_peak = max(rss_peak, end.hwm)
         dev_peak = dev_delta = None
@@ -183,5 +190,23 @@ class MemoryProbe:
             device_peak_bytes=dev_peak,
             device_delta_bytes=dev_delta,
             live_tensor_peak_bytes=self._tracker.peak_bytes if self._tracker is not None else None,
-            timeline=self._samples[:: max(1, len(self._samples) // 200)],
+            timeline=samples[:-1][:: max(1, len(samples) // 200)] + samples[-1:],
+            start_s=self._t0 - self.origin,
+            segments=[(self._t0 - self.origin, wall)],
         )
+
+    def _in_region(self, wall: float) -> list[Sample]:
+        """The samples of the region ``[t0, t0 + wall]``: the first one (taken just before ``t0``) and the last
+        one (just after the end) are stamped at the region's bounds, which they measure; the thread's samples
+        taken while the probe was starting or stopping are dropped, so a plot never draws a stage's line
+        outside its time span."""
+        if not self._samples:
+            return []
+        t0 = self._t0 - self.origin
+        t1 = t0 + wall
+        first, *middle = self._samples
+        out = [Sample(t0, first.rss, first.anon)] + [s for s in middle[:-1] if t0 <= s.t <= t1]
+        if middle:
+            last = middle[-1]
+            out.append(Sample(t1, last.rss, last.anon))
+        return out

@@ -32,7 +32,10 @@ class StageRecord:
 
     ``status`` is ``"ran"``, ``"skipped"`` (``reason`` says why) or ``"failed"``. ``details`` holds
     stage-specific figures (bytes sent, buffers verified, ...). ``timeline`` holds ``[t, rss, anon]``
-    samples for plots.
+    samples for plots (``t`` in seconds since the plugin was created, like ``start_s``). ``segments`` holds
+    ``[start_s, wall_s]`` of each part of the stage's run: one, or two for a stage with an ``after`` part
+    (run before accelerate's call and after it); ``wall_s`` is their sum, and every sample lies within one
+    of them.
     """
 
     hook: str
@@ -53,6 +56,18 @@ class StageRecord:
     start_s: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
     timeline: list[list[float]] = field(default_factory=list)
+    segments: list[list[float]] = field(default_factory=list)
+
+    def spans(self) -> list[tuple[float, float]]:
+        """``(start, end)`` of each part of the stage's run, in seconds (``[start_s, start_s + wall_s]`` for a
+        record without ``segments``).
+
+        Example:
+            >>> StageRecord("save_state", "s", 0, "ran", None, 0.5, start_s=1.0, segments=[[1.0, 0.2], [2.0, 0.3]]).spans()
+            [(1.0, 1.2), (2.0, 2.3)]
+        """
+        parts = self.segments or [[self.start_s, self.wall_s]]
+        return [(float(start), float(start) + float(wall)) for start, wall in parts]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageRecord:

@@ -50,3 +50,45 @@ def test_gather_without_process_group_is_a_copy():
     report = MemoryReport([_rec()])
     gathered = report.gather()
     assert gathered is not report and gathered.to_dict() == report.to_dict()
+
+
+def _outside_spans(record: StageRecord) -> list[float]:
+    spans = record.spans()
+    return [t for t, _, _ in record.timeline if not any(a <= t <= b for a, b in spans)]
+
+
+def test_every_records_samples_lie_within_its_time_span_on_real_hooks(tmp_path):
+    """Issue 15: a stage with an ``after`` part (run before accelerate's call, after it) had one record whose
+    samples spanned accelerate's call while its ``wall_s`` was the stage's own time (``load_state
+    atomic_checkpoint``: wall 0.03 s, samples over 2.4 s), and every probe kept the sampler thread's samples
+    taken after the region's end; the plot drew lines backwards across the hook."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    accelerator = Accelerator(plugins=[MemSafePlugin()], cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, data = accelerator.prepare(model, opt, DataLoader(torch.randn(16, 64), batch_size=4))
+    for x in data:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    records = accelerator.memsafe_plugin.report.records
+    assert {r.hook for r in records} == {"prepare", "save_state", "load_state"}
+    for r in records:
+        assert r.timeline, f"{r.hook} {r.stage} has no samples"
+        assert _outside_spans(r) == [], f"{r.hook} {r.stage}: samples outside {r.spans()}"
+        assert abs(sum(b - a for a, b in r.spans()) - r.wall_s) < 1e-9 and r.spans()[0][0] == r.start_s
+    two_parts = [r for r in records if len(r.spans()) == 2]
+    assert {(r.hook, r.stage) for r in two_parts} >= {("load_state", "optimizer_cpu_reload"), ("prepare", "dataloader_resume")}
+    for r in two_parts:  # the parts are the run before accelerate's call and the after part behind it
+        upstream = accelerator.memsafe_plugin.report.find(hook=r.hook, stage=f"accelerate.{r.hook}")[0]
+        (a0, a1), (b0, b1) = r.spans()
+        assert a1 <= upstream.start_s and upstream.start_s + upstream.wall_s <= b0
+        assert any(a0 <= t <= a1 for t, _, _ in r.timeline) and any(b0 <= t <= b1 for t, _, _ in r.timeline)
+    again = MemoryReport.from_json(accelerator.memsafe_plugin.report.to_json(tmp_path / "r.json"))
+    assert [r.spans() for r in again.records] == [r.spans() for r in records]
