@@ -56,14 +56,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo failed (exit code {code})", file=sys.stderr)
         return code
     summary = json.loads((workdir / "summary.json").read_text())
-    print(f"\nreport: {workdir / 'report.json'}")
-    try:
-        from ..memory.plot import plot_report
-        from ..memory.report import MemoryReport
+    from ..memory.plot import plot_report
+    from ..memory.report import MemoryReport
 
-        print(f"plot:   {plot_report(MemoryReport.from_json(workdir / 'report.json'), workdir / 'report.png')}")
-    except ImportError as exc:
-        print(f"plot skipped: {exc}")
+    print(f"\nreport: {workdir / 'report.json'}")
+    print(f"plot:   {plot_report(MemoryReport.from_json(workdir / 'report.json'), workdir / 'report.png')}")
     print(f"losses: {summary['losses']}  save/load round trip bitwise: {summary['roundtrip_ok']}")
     return 0 if summary["roundtrip_ok"] else 1
 

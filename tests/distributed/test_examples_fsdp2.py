@@ -69,6 +69,12 @@ def test_demo_command_runs_and_writes_the_report(tmp_path):
     report = json.loads((tmp_path / "d" / "report.json").read_text())
     assert {r["rank"] for r in report["records"]} == {0, 1}
     assert "round trip bitwise: True" in proc.stdout
+    # issue 15: the base install has matplotlib, so the demo always writes the plot the docs promise
+    assert "plot skipped" not in proc.stdout and f"plot:   {tmp_path / 'd' / 'report.png'}" in proc.stdout
+    from PIL import Image
+
+    with Image.open(tmp_path / "d" / "report.png") as im:
+        assert im.format == "PNG" and im.size[0] >= 1000
 
 
 def _launch_two_nodes(model_dir, tmp_path: Path, num_processes: int, *extra: str, env_extra: dict | None = None) -> None:
