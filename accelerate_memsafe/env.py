@@ -44,6 +44,18 @@ class LaunchEnv:
     the launcher does not say."""
 
 
+def launched_world_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """``WORLD_SIZE`` as the launcher set it, ``None`` when it is not set (not launched by a launcher).
+
+    Example:
+        >>> launched_world_size({"WORLD_SIZE": "4"}), launched_world_size({})
+        (4, None)
+    """
+    environ = os.environ if environ is None else environ
+    raw = environ.get("WORLD_SIZE", "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
 def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 

@@ -13,8 +13,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PipelineError
 from ..plugin import MemSafePlugin
+from .errors import CliError
 
 DEFAULT_FILE = "memsafe_config.yaml"
 
@@ -43,26 +44,97 @@ def _field_doc(name: str) -> str:
     return option_docs().get(name, "")
 
 
-def _coerce(name: str, raw: Any) -> Any:
+def accepted_formats(name: str) -> str:
+    """What an option accepts, as the CLI says it after a bad value.
+
+    Example:
+        >>> accepted_formats("bucket_bytes")
+        'a byte count or a size, e.g. 67108864, 32MB, 64MiB, 1GiB'
+    """
+    hint = typing.get_type_hints(MemSafePlugin)[name]
+    if name == "stages":
+        from ..stages import STAGE_REGISTRY
+
+        return f"stage names separated by commas, in run order, from: {', '.join(STAGE_REGISTRY)}"
+    if name == "load_source":
+        from ..distributed.local_read import LOAD_SOURCES
+
+        return f"one of {', '.join(LOAD_SOURCES)}"
+    if hint is bool:
+        return "yes or no (or true/false, 1/0, on/off)"
+    if hint is int:
+        return "a byte count or a size, e.g. 67108864, 32MB, 64MiB, 1GiB" if _takes_a_size(name) else "a whole number, e.g. 2"
+    if hint is float:
+        return "a number, e.g. 600"
+    return "text"
+
+
+def _takes_a_size(name: str) -> bool:
+    try:
+        MemSafePlugin(**{name: "1KiB"})
+    except (ConfigError, PipelineError):
+        return False
+    return True
+
+
+def parse_option(name: str, raw: str, *, label: str) -> Any:
+    """One option's value from text, checked on its own (a stage list: names and order).
+
+    Args:
+        name: The option.
+        raw: What the user typed.
+        label: How the user gave it, for the message (``--bucket-bytes``, or the option name when asked).
+
+    Raises:
+        CliError: Naming ``label``, the value and what the option accepts.
+    """
     from ..plugin import _parse_env_value
 
-    if raw is None or not isinstance(raw, str):
-        return raw
-    return _parse_env_value(_flag(name), raw, typing.get_type_hints(MemSafePlugin)[name])
+    try:
+        value = _parse_env_value(label, raw, typing.get_type_hints(MemSafePlugin)[name])
+    except ConfigError:
+        raise CliError(f"{label} {raw!r} is not accepted; use {accepted_formats(name)}.") from None
+    try:
+        MemSafePlugin(**{name: value})
+    except PipelineError as exc:
+        problems = "\n".join(f"  - {p}" for p in exc.problems)
+        raise CliError(f"{label} {raw!r} is not a valid pipeline:\n{problems}") from None
+    except ConfigError as exc:
+        raise CliError(f"{label} {raw!r}: {exc} Use {accepted_formats(name)}.") from None
+    return value
 
 
-def settings_from_args(args: argparse.Namespace, ask=input) -> dict[str, Any]:
-    """The option values given by flags, asking for the others unless ``--non-interactive``."""
+def settings_from_args(args: argparse.Namespace, ask=input, say=print) -> dict[str, Any]:
+    """The option values given by flags, asking for the others unless ``--non-interactive``; a bad answer is
+    explained (what the option accepts) and asked again.
+
+    Raises:
+        CliError: For a bad flag value, or when standard input ends before an answer.
+    """
     values: dict[str, Any] = {}
     for f in MemSafePlugin.options():
         raw = getattr(args, f.name, None)
-        if raw is None and not args.non_interactive:
-            default = f.default if f.default is not dataclasses.MISSING else None
-            shown = ",".join(default) if isinstance(default, tuple) else default
-            answer = ask(f"{f.name} [{'every stage' if f.name == 'stages' and default is None else shown}]: ").strip()
-            raw = answer or None
         if raw is not None:
-            values[f.name] = _coerce(f.name, raw)
+            values[f.name] = parse_option(f.name, raw, label=_flag(f.name)) if isinstance(raw, str) else raw
+            continue
+        if args.non_interactive:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        prompt = f"{f.name} [{'every stage' if f.name == 'stages' and default is None else shown}]: "
+        while True:
+            try:
+                answer = ask(prompt).strip()
+            except EOFError:
+                raise CliError(f"no answer for `{f.name}` (standard input ended); give every value as a flag with "
+                               "--non-interactive (see `accelerate-memsafe config --help`).") from None
+            if not answer:
+                break
+            try:
+                values[f.name] = parse_option(f.name, answer, label=f.name)
+                break
+            except CliError as exc:
+                say(f"  {exc} Enter keeps the default.")
     return values
 
 
@@ -108,6 +180,10 @@ def read_config(path: str | Path) -> MemSafePlugin:
 
 def run(args: argparse.Namespace) -> int:
     values = settings_from_args(args)
-    path = write_config(values, args.output)
+    try:
+        path = write_config(values, args.output)
+    except PipelineError as exc:  # each option was valid alone; together they are not
+        problems = "\n".join(f"  - {p}" for p in exc.problems)
+        raise CliError(f"the stage pipeline of these settings is not valid:\n{problems}") from None
     print(f"wrote {path}")
     return 0

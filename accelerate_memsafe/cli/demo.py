@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .errors import CliError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="run the built-in FSDP2 demo on CPU processes and print the memory report")
@@ -53,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print("launching:", " ".join(cmd[2:]), flush=True)
     code = subprocess.call(cmd, env=env)
     if code != 0:
-        print(f"demo failed (exit code {code})", file=sys.stderr)
-        return code
+        raise CliError(f"the demo's processes failed (exit code {code}); their error is printed above.", code=1)
     summary = json.loads((workdir / "summary.json").read_text())
     from ..memory.plot import plot_report
     from ..memory.report import MemoryReport

@@ -1,26 +1,97 @@
-"""``accelerate-memsafe estimate CHECKPOINT_DIR --num-processes N``: predicted peak memory per stage and
-rank, stock path vs the plugin, from safetensors headers only (no tensor data is read)."""
+"""``accelerate-memsafe estimate CHECKPOINT_DIR [--num-processes N]``: predicted peak memory per stage and
+rank, stock path vs the plugin, from safetensors headers only (no tensor data is read).
+
+The number of processes comes from ``--num-processes``, else from the launch configuration (``--config_file``
+of ``accelerate launch``, its ``num_processes``), else from ``WORLD_SIZE`` (inside a launched job), else
+from accelerate's default config file. Exit code 1 when the plugin's worst stage does not fit the budget, so
+a job script can gate on it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+from .errors import CHECK_FAILED, CliError
+
+MIXED_PRECISION = ("no", "bf16", "fp16")
+DEVICES = ("cpu", "cuda")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("estimate", help="predict per-stage peak memory per rank, stock vs plugin, from headers only")
+    from ..memory.estimate import DTYPE_BYTES
+
+    p = sub.add_parser("estimate", help="predict per-stage peak memory per rank, stock vs plugin, from headers only",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a directory with model.safetensors or model.safetensors.index.json")
-    p.add_argument("--num-processes", type=int, required=True)
-    p.add_argument("--dtype", default="fp32", help="dtype the model is loaded in: fp32, bf16, fp16")
-    p.add_argument("--mixed-precision", default="no", help="no, bf16, fp16 (fp32 master weights)")
+    p.add_argument("--num-processes", "--num_processes", type=_positive_int, default=None,
+                   help="number of ranks (default: from --config_file, WORLD_SIZE or accelerate's default config)")
+    p.add_argument("--config_file", "--config-file", dest="config_file", default=None,
+                   help="an `accelerate launch` config file to take num_processes from")
+    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPE_BYTES), help="dtype the model is loaded in")
+    p.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISION, help="mixed precision (fp32 master weights)")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--bucket-bytes", default="64MiB")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--budget-bytes", default=None, help="CPU memory of one node (default: detected MemAvailable)")
     p.add_argument("--load-source", default="auto", choices=("auto", "rank0", "node", "every_rank"),
                    help="the plugin's load_source (auto is predicted as every_rank: every rank sees the checkpoint)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give the number of ranks, e.g. 2") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} processes: give at least 1")
+    return n
+
+
+def _from_config_file(path: Path) -> int:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())  # accelerate writes YAML; its JSON configs parse as YAML too
+    except yaml.YAMLError as exc:
+        raise CliError(f"launch config {path} is not valid YAML/JSON ({exc}); write one with `accelerate config`.") from None
+    n = data.get("num_processes") if isinstance(data, dict) else None
+    if not isinstance(n, int) or n < 1:
+        raise CliError(f"launch config {path} has no usable `num_processes` (found {n!r}); set it there, or pass "
+                       "--num-processes N.")
+    return n
+
+
+def num_processes(args: argparse.Namespace) -> tuple[int, str]:
+    """The number of ranks to predict for, and where it came from (said in the output).
+
+    Raises:
+        CliError: If no source gives it, or the given config file cannot be read.
+    """
+    from ..env import launched_world_size
+
+    if args.num_processes is not None:
+        return args.num_processes, "--num-processes"
+    if args.config_file:
+        path = Path(args.config_file)
+        if not path.is_file():
+            raise CliError(f"launch config {path} (--config_file) does not exist; give the file you pass to "
+                           "`accelerate launch --config_file`, or --num-processes N.")
+        return _from_config_file(path), f"num_processes in {path}"
+    world = launched_world_size()
+    if world is not None:
+        return world, "WORLD_SIZE in the environment"
+    from accelerate.commands.config.config_args import default_config_file
+
+    default = Path(default_config_file)
+    if default.is_file():
+        return _from_config_file(default), f"num_processes in accelerate's default config {default}"
+    raise CliError(f"how many processes? Pass --num-processes N, or --config_file FILE of `accelerate launch`, or run "
+                   f"inside a launched job (WORLD_SIZE); accelerate's default config {default} does not exist "
+                   "(`accelerate config` writes it).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,24 +100,31 @@ def run(args: argparse.Namespace) -> int:
     from ..memory.estimate import node_totals, predict, summarize_checkpoint, to_dicts
     from ..sizes import parse_size
 
+    if not Path(args.checkpoint).exists():
+        raise CliError(f"checkpoint {args.checkpoint} does not exist; give a directory holding model.safetensors or "
+                       "model.safetensors.index.json (as `save_pretrained` writes it).")
+    n, source = num_processes(args)
+    bucket_bytes = parse_size(args.bucket_bytes, what="--bucket-bytes")
+    budget = parse_size(args.budget_bytes, what="--budget-bytes") if args.budget_bytes else psutil.virtual_memory().available
     summary = summarize_checkpoint(args.checkpoint)
     preds = predict(
-        summary, num_processes=args.num_processes, dtype=args.dtype, mixed_precision=args.mixed_precision,
-        offload_optimizer=args.offload_optimizer, bucket_bytes=parse_size(args.bucket_bytes, what="--bucket-bytes"),
-        device=args.device, load_source=args.load_source,
+        summary, num_processes=n, dtype=args.dtype, mixed_precision=args.mixed_precision,
+        offload_optimizer=args.offload_optimizer, bucket_bytes=bucket_bytes, device=args.device, load_source=args.load_source,
     )
-    budget = parse_size(args.budget_bytes, what="--budget-bytes") if args.budget_bytes else psutil.virtual_memory().available
     fits = {}
     for path in ("stock", "memsafe"):
         worst = max((cpu for cpu, _ in node_totals(preds, path).values()), default=0)
         fits[path] = {"node_peak_cpu_bytes": worst, "budget_bytes": budget, "fits": worst <= budget}
+    code = 0 if fits["memsafe"]["fits"] else CHECK_FAILED
     if args.json:
-        print(json.dumps({"checkpoint": summary.__dict__, "predictions": to_dicts(preds), "fits": fits}))
-        return 0
+        print(json.dumps({"checkpoint": summary.__dict__, "num_processes": n, "num_processes_from": source,
+                          "predictions": to_dicts(preds), "fits": fits}))
+        return code
     mib = 2**20
     print(f"checkpoint {summary.path}: {summary.num_tensors} tensors, {summary.numel:,} elements, "
           f"{summary.checkpoint_bytes / mib:,.1f} MiB on disk; largest `{summary.largest_name}`")
-    print(f"{args.num_processes} processes, load dtype {args.dtype}, mixed precision {args.mixed_precision}, device {args.device}\n")
+    print(f"{n} processes (from {source}), load dtype {args.dtype}, mixed precision {args.mixed_precision}, "
+          f"device {args.device}\n")
     print("| hook | stage | rank | path | CPU private MiB | CPU RSS MiB | device MiB |")
     print("|---|---|---|---|---|---|---|")
     for p in preds:
@@ -57,4 +135,6 @@ def run(args: argparse.Namespace) -> int:
         verdict = "fits" if f["fits"] else "DOES NOT FIT"
         print(f"{path}: worst stage needs {f['node_peak_cpu_bytes'] / mib:,.1f} MiB of CPU memory on one node "
               f"(all ranks), budget {f['budget_bytes'] / mib:,.1f} MiB: {verdict}")
-    return 0
+    if code:
+        print(f"\nexit code {code}: with the plugin, the worst stage does not fit the budget.")
+    return code

@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from .errors import CliError
+
 _DISTRIBUTED_FLAGS = ("--use_fsdp", "--multi_gpu", "--use_deepspeed", "--use_megatron_lm", "--tpu", "--cpu", "--use_parallelism_config")
 
 
@@ -29,10 +31,12 @@ def add_parser(sub) -> None:
 
 def _num_processes(argv: list[str]) -> int:
     for i, a in enumerate(argv):
-        if a in ("--num_processes", "--num-processes") and i + 1 < len(argv):
-            return int(argv[i + 1])
-        if a.startswith(("--num_processes=", "--num-processes=")):
-            return int(a.split("=", 1)[1])
+        value = argv[i + 1] if a in ("--num_processes", "--num-processes") and i + 1 < len(argv) else \
+            a.split("=", 1)[1] if a.startswith(("--num_processes=", "--num-processes=")) else None
+        if value is not None:
+            if not value.isdigit():
+                raise CliError(f"--num_processes {value!r} is not a whole number; give the number of processes, e.g. 2.")
+            return int(value)
     return 1
 
 
@@ -60,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from .config import read_config
 
     if not args.extra:
-        print("accelerate-memsafe launch: give a script to run (accelerate launch arguments, then script.py)", file=sys.stderr)
-        return 2
+        raise CliError("give a script to run: `accelerate-memsafe launch [accelerate launch arguments] script.py [its arguments]`.")
     plugin = read_config(args.memsafe_config) if args.memsafe_config else MemSafePlugin.from_env()
     env = dict(os.environ)
     env.update(plugin.to_env())

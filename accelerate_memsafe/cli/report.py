@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .errors import CliError
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="print the per-stage memory table of a report JSON (and plot it)")
@@ -13,9 +15,21 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from ..memory.report import MemoryReport
 
-    report = MemoryReport.from_json(args.path)
+    how = ("write one with `accelerate-memsafe demo` (memsafe-demo/report.json) or `report.gather().to_json(path)` "
+           "in your script (examples/fsdp2_train.py --report run.json)")
+    if not Path(args.path).is_file():
+        raise CliError(f"report {args.path} does not exist; {how}.")
+    try:
+        report = MemoryReport.from_json(args.path)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"report {args.path} is not JSON ({exc}); {how}.") from None
+    except ValueError as exc:
+        raise CliError(f"{exc} {how[0].upper()}{how[1:]}.") from None
     print(report.to_markdown())
     if args.plot:
         from ..memory.plot import plot_report
