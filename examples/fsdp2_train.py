@@ -1,6 +1,7 @@
 """FSDP2 fine-tuning with accelerate_memsafe, runnable on CPU.
 
     accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 examples/fsdp2_train.py --out run.json
+    accelerate-memsafe launch --num_processes 2 examples/fsdp2_train.py --out run.json   # the same, FSDP2 added on CPU
     torchrun --nproc_per_node 2 examples/fsdp2_train.py --out run.json
     python examples/fsdp2_train.py --reference --out ref.json      # single-process reference, same data
 
@@ -183,9 +184,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
         result = reference(args, workdir) if args.reference else distributed(args, workdir)
-    if args.out and int(os.environ.get("RANK", "0")) == 0:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print("losses:", result["losses"])
+    if int(os.environ.get("RANK", "0")) == 0:  # the results once, from rank 0 (every rank has the same)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        print("losses:", result["losses"])
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -41,6 +42,9 @@ def main() -> None:
     from accelerate_memsafe import Accelerator, MemSafePlugin
     from accelerate_memsafe.models import save_llama
 
+    # accelerate builds a torchdata StatefulDataLoader for this script (use_stateful_dataloader=True), whose
+    # constructor calls torch's deprecated `set_vital` and warns about it on every rank: torchdata's business
+    warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
     args = parse_args()
     work = Path(args.workdir).resolve()
     plugin = MemSafePlugin(optimizer_offload=True)

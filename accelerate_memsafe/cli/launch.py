@@ -40,12 +40,28 @@ def _num_processes(argv: list[str]) -> int:
     return 1
 
 
-def build_command(accelerate_args: list[str], *, has_accelerator: bool) -> list[str]:
+#: What ``accelerate launch`` uses for these flags when no config file gives them, and warns about ("The
+#: following values were not passed to `accelerate launch` and had defaults used instead") on every run.
+_ACCELERATE_DEFAULTS = {"--num_machines": "1", "--mixed_precision": "no", "--dynamo_backend": "no"}
+
+
+def _given(flag: str, launch_args: list[str]) -> bool:
+    names = {flag, flag.replace("_", "-")}
+    return any(a.split("=", 1)[0] in names for a in launch_args)
+
+
+def build_command(accelerate_args: list[str], *, has_accelerator: bool, has_config: bool = True) -> list[str]:
     """The ``accelerate launch`` command line, with FSDP2 flags added on CPU-only multi-process runs.
+
+    Without a config file (``has_config=False``: no ``--config_file`` and no default config), the values
+    accelerate would default (one machine, no mixed precision, no dynamo) are passed explicitly: the same run,
+    without accelerate's warning about them.
 
     Example:
         >>> build_command(["--num_processes", "2", "train.py"], has_accelerator=False)[3:7]
         ['--use_fsdp', '--fsdp_version', '2', '--num_processes']
+        >>> build_command(["--mixed_precision=bf16", "t.py"], has_accelerator=True, has_config=False)[3:]
+        ['--num_machines', '1', '--dynamo_backend', 'no', '--mixed_precision=bf16', 't.py']
     """
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     script_at = next((i for i, a in enumerate(accelerate_args) if a.endswith(".py") or a == "-m"), len(accelerate_args))
@@ -54,6 +70,10 @@ def build_command(accelerate_args: list[str], *, has_accelerator: bool) -> list[
         a.split("=")[0] in _DISTRIBUTED_FLAGS for a in launch_args
     ):
         cmd += ["--use_fsdp", "--fsdp_version", "2"]
+    if not has_config and not _given("--config_file", launch_args):
+        for flag, value in _ACCELERATE_DEFAULTS.items():
+            if not _given(flag, launch_args):
+                cmd += [flag, value]
     return cmd + accelerate_args
 
 
@@ -69,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.update(plugin.to_env())
     has_acc = torch.accelerator.is_available() if hasattr(torch, "accelerator") else torch.cuda.is_available()
-    cmd = build_command(list(args.extra), has_accelerator=has_acc)
+    from accelerate.commands.config.config_args import default_config_file
+
+    cmd = build_command(list(args.extra), has_accelerator=has_acc, has_config=os.path.isfile(default_config_file))
     if args.dry_run:
         for k, v in sorted(plugin.to_env().items()):
             print(f"{k}={v}")

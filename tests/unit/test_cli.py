@@ -15,7 +15,10 @@ from accelerate_memsafe.cli.launch import build_command
 from accelerate_memsafe.cli.main import main
 
 
-def test_config_non_interactive_writes_a_file_that_launch_reads(tmp_path, capsys):
+def test_config_non_interactive_writes_a_file_that_launch_reads(tmp_path, capsys, monkeypatch):
+    import accelerate.commands.config.config_args as accelerate_config
+
+    monkeypatch.setattr(accelerate_config, "default_config_file", str(tmp_path / "no_default_config.yaml"))
     out = tmp_path / "f.yaml"
     assert main(["config", "--non-interactive", "--stages", "shard", "--bucket-bytes", "32MiB",
                  "--optimizer-offload", "--collective-timeout-s", "30", "-o", str(out)]) == 0
@@ -27,7 +30,9 @@ def test_config_non_interactive_writes_a_file_that_launch_reads(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "ACCELERATE_MEMSAFE_STAGES=shard" in printed
     assert "ACCELERATE_MEMSAFE_BUCKET_BYTES=33554432" in printed
-    assert printed.strip().splitlines()[-1].endswith("--use_fsdp --fsdp_version 2 --num_processes 2 train.py --lr 1")
+    # without an accelerate config, accelerate's defaults are passed (it would warn that they were not)
+    assert printed.strip().splitlines()[-1].endswith("--use_fsdp --fsdp_version 2 --num_machines 1 --mixed_precision no "
+                                                     "--dynamo_backend no --num_processes 2 train.py --lr 1")
 
 
 def test_config_interactive_asks_for_each_option(tmp_path):
