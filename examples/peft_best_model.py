@@ -89,6 +89,8 @@ def main() -> dict:
             per_device_eval_batch_size=8, learning_rate=args.lr, eval_strategy="steps", eval_steps=1,
             save_strategy="steps", save_steps=1, load_best_model_at_end=True, metric_for_best_model="eval_loss",
             greater_is_better=False, report_to=[], disable_tqdm=True, logging_steps=1, seed=0,
+            # pinned memory needs an accelerator; without one torch warns at every evaluation
+            dataloader_pin_memory=torch.cuda.is_available(),
         )
         trainer = MemSafeTrainer(
             model=model, args=training_args, train_dataset=RandomTokens(64, vocab), eval_dataset=RandomTokens(16, vocab, seed=1)
