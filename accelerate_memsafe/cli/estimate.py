@@ -137,4 +137,7 @@ def run(args: argparse.Namespace) -> int:
               f"(all ranks), budget {f['budget_bytes'] / mib:,.1f} MiB: {verdict}")
     if code:
         print(f"\nexit code {code}: with the plugin, the worst stage does not fit the budget.")
+    else:
+        stock = "" if fits["stock"]["fits"] else " (stock accelerate's worst stage would not)"
+        print(f"\nexit code 0: with the plugin, every stage fits the budget{stock}.")
     return code

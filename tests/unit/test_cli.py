@@ -141,6 +141,12 @@ def test_estimate_exits_1_when_the_plugin_does_not_fit_the_budget(capsys, checkp
     assert "memsafe: worst stage needs" in out and out.rstrip().endswith("the worst stage does not fit the budget.")
     code, out, _ = _cli(capsys, "estimate", "--num-processes", "2", "--budget-bytes", "50MB", str(checkpoint), "--json")
     assert code == 0 and json.loads(out)["fits"]["memsafe"]["fits"] is True
+    # the exit code follows the plugin's path (what a job with the plugin runs); the output says so
+    peaks = {path: f["node_peak_cpu_bytes"] for path, f in json.loads(out)["fits"].items()}
+    assert peaks["memsafe"] < peaks["stock"]
+    code, out, _ = _cli(capsys, "estimate", "--num-processes", "2", "--budget-bytes", str(peaks["stock"] - 1), str(checkpoint))
+    assert code == 0 and "stock: worst stage needs" in out and ": DOES NOT FIT" in out
+    assert out.rstrip().endswith("exit code 0: with the plugin, every stage fits the budget (stock accelerate's worst stage would not).")
 
 
 def test_estimate_takes_the_process_count_from_the_launch_config_or_the_environment(capsys, checkpoint, tmp_path, monkeypatch):
