@@ -26,7 +26,7 @@ from ..memory.progress import byte_progress
 from .collectives import Collectives
 from .plan import _Bucket, plan_buckets
 from .source import Rank0Source
-from .transport import BoundedPrefetcher, DistributeStats, _install, fill_slots, unpack_slot
+from .transport import BoundedPrefetcher, DistributeStats, _typed, fill_slots, install_from, replicated_groups, unpack_slot
 from .topology import Nodes, node_groups
 
 
@@ -119,19 +119,22 @@ def send_by_node(sharded, replicated, nodes: Nodes, *, source: Rank0Source | Non
             unpack_slot(bucket, buf, rank, locals_)
             del buf
 
-    for name, mod, local, old, is_param in replicated:
-        t = torch.empty(old.shape, dtype=old.dtype, device=device)
-        nbytes = t.numel() * t.element_size()
-        rows = old.shape[0] if old.dim() else 1
-        if name in local_names:
+    for from_file, group in ([(True, g) for g in replicated_groups([r for r in replicated if r[0] in local_names], budget)]
+                             + [(False, g) for g in replicated_groups([r for r in replicated if r[0] not in local_names], budget)]):
+        flat = torch.empty(group[-1][1] + group[-1][2], dtype=torch.uint8, device=device_comm)
+        nbytes = flat.numel()
+        what = f"replicated tensors ({group[0][0][0]} ...)"
+        if from_file:
             if rank == leader:
-                reader.read_rows(name, 0, rows, t)
-                stats.bytes_read_locally += nbytes
+                for (name, _, _, old, _), at, n in group:
+                    reader.read_rows(name, 0, old.shape[0] if old.dim() else 1, _typed(flat, at, n, old))
+                    stats.bytes_read_locally += n
         else:
             if rank == 0:
-                source.read_rows(name, 0, rows, t)
+                for (name, _, _, old, _), at, n in group:
+                    source.read_rows(name, 0, old.shape[0] if old.dim() else 1, _typed(flat, at, n, old))
             if leaders is not None:
-                leaders.broadcast(t, src=0, what=f"broadcast of `{name}` to the node leaders")
+                leaders.broadcast(flat, src=0, what=f"broadcast of {what} to the node leaders")
                 if rank == 0:
                     stats.bytes_sent += nbytes * (len(nodes.leaders) - 1)
                     for k in range(1, len(nodes.ranks)):
@@ -139,16 +142,18 @@ def send_by_node(sharded, replicated, nodes: Nodes, *, source: Rank0Source | Non
                 else:
                     stats.bytes_received += nbytes
         if rank == 0:
-            source.release(name)
+            for (name, *_), _, _ in group:
+                source.release(name)
         if in_node is not None:
-            in_node.broadcast(t, src=leader, what=f"broadcast of `{name}` within the node")
+            in_node.broadcast(flat, src=leader, what=f"broadcast of {what} within the node")
             if rank == leader:
                 stats.bytes_sent += nbytes * (len(node) - 1)
                 if rank == 0:
                     stats.bytes_sent_per_node[0] += nbytes * (len(node) - 1)
             else:
                 stats.bytes_received += nbytes
-        _install(mod, local, old, t, is_param)
+        install_from(group, flat, device)
+        del flat
     stats.local_tensors = len(own) + sum(1 for r in replicated if r[0] in local_names) if rank == leader else 0
     if rank == leader:
         stats.bytes_read_locally += sum(

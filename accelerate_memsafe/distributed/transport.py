@@ -22,7 +22,7 @@ from .. import _compat
 from ..errors import CheckpointError
 from ..memory.progress import byte_progress
 from .collectives import Collectives
-from .plan import _Bucket, plan_buckets
+from .plan import _Bucket, _Piece, _align, plan_buckets
 from .source import Rank0Source
 
 class BoundedPrefetcher:
@@ -114,17 +114,17 @@ def _install(mod: nn.Module, local: str, old: torch.Tensor, t: torch.Tensor, is_
 
 
 def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any = None, check_finite: bool = False,
-               release: bool = True) -> None:
-    """Reads each piece of ``bucket`` (for the ranks in ``ranks``, default all) from ``source`` into the
-    buffer ``slot_of(rank)``, cast to the parameter's dtype; releases the tensors whose last rows it read
-    (``release=False``: the caller does, once the bucket is sent).
+               release: bool = True, pieces: list[_Piece] | None = None) -> None:
+    """Reads each piece of ``bucket`` (for the ranks in ``ranks``, default all; or the given ``pieces``) from
+    ``source`` into the buffer ``slot_of(rank)``, cast to the parameter's dtype; releases the tensors whose
+    last rows it read (``release=False``: the caller does, once the bucket is sent).
 
     Raises:
         CheckpointError: If ``check_finite`` and a piece holds NaN or Inf.
     """
-    for piece in bucket.pieces:
-        if ranks is not None and piece.rank not in ranks:
-            continue
+    if pieces is None:
+        pieces = bucket.pieces if ranks is None else bucket.pieces_of(ranks)
+    for piece in pieces:
         item = piece.item
         out = slot_of(piece.rank)[piece.offset : piece.offset + piece.nbytes]
         out = out.view(item.dtype).view(piece.block_shape())
@@ -141,9 +141,7 @@ def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any
 
 def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str, torch.Tensor]) -> None:
     """Copies this rank's pieces of ``bucket`` from the received ``buf`` into its local shards."""
-    for piece in bucket.pieces:
-        if piece.rank != rank:
-            continue
+    for piece in bucket.pieces_of(rank):
         item = piece.item
         a = item.ranges[rank][0]
         src = buf[piece.offset : piece.offset + piece.nbytes].view(item.dtype).view(piece.block_shape())
@@ -151,11 +149,12 @@ def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str
         (dst if piece.sub is None else dst[:, piece.sub[0] : piece.sub[1]]).copy_(src)
 
 
-def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor | None:
+def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], device: torch.device,
+                  mine: list[_Piece] | None = None) -> torch.Tensor | None:
     """The bytes of this rank's local shard that ``bucket`` fills, when they can be the scatter's output
     itself (no staging copy): one piece, at offset 0, exactly a slot long, contiguous, on the
-    collective's device. ``None`` otherwise."""
-    mine = [p for p in bucket.pieces if p.rank == rank]
+    collective's device. ``None`` otherwise. ``mine``: this rank's pieces, when already derived."""
+    mine = bucket.pieces_of(rank) if mine is None else mine
     if len(mine) != 1 or mine[0].offset != 0 or mine[0].sub is not None:
         return None
     piece = mine[0]
@@ -168,13 +167,13 @@ def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], 
     return region.reshape(-1).view(torch.uint8)
 
 
-def _as_is(bucket: _Bucket, rank: int, source: Rank0Source) -> torch.Tensor | None:
-    """Rank ``rank``'s whole slot of ``bucket`` as a view of rank 0's tensor (see :meth:`Rank0Source.rows_view`)."""
-    mine = [p for p in bucket.pieces if p.rank == rank]
+def _as_is(bucket: _Bucket, mine: list[_Piece], source: Rank0Source) -> torch.Tensor | None:
+    """A rank's whole slot of ``bucket`` (``mine``: its pieces) as a view of rank 0's tensor (see
+    :meth:`Rank0Source.rows_view`)."""
     if len(mine) != 1 or mine[0].offset != 0 or mine[0].sub is not None:
         return None
     p = mine[0]
-    view = source.rows_view(p.item.name, p.start, p.stop, p.item.dtype, p.item.cols(rank))
+    view = source.rows_view(p.item.name, p.start, p.stop, p.item.dtype, p.item.cols(p.rank))
     return view if view is not None and view.numel() == bucket.slot_bytes else None
 
 
@@ -224,18 +223,21 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             flat = ring.take()
             n = bucket.slot_bytes
             slots = [flat[r * n : (r + 1) * n] for r in range(world)]
-            own = direct_region(bucket, 0, locals_, coll.device)
+            by_rank: list[list[_Piece]] = [[] for _ in range(world)]
+            for piece in bucket.pieces:
+                by_rank[piece.rank].append(piece)
+            own = direct_region(bucket, 0, locals_, coll.device, by_rank[0])
             if own is not None:
                 slots[0] = own
             # a rank's whole slot that is rows of rank 0's tensor as they are: sent from there, not copied
-            fill = set(range(world))
             if not check_finite and coll.device.type == "cpu":
                 for r in range(1, world):
-                    view = _as_is(bucket, r, source)
+                    view = _as_is(bucket, by_rank[r], source)
                     if view is not None:
                         slots[r] = view
-                        fill.discard(r)
-            fill_slots(bucket, slots.__getitem__, source, ranks=fill, check_finite=check_finite, release=False)
+                        by_rank[r] = []
+            fill_slots(bucket, slots.__getitem__, source, pieces=[p for mine in by_rank for p in mine],
+                       check_finite=check_finite, release=False)
             return flat, slots, own is not None
 
         prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
@@ -272,16 +274,53 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             stats.bytes_received += bucket.slot_bytes
         del staging
 
-    for name, mod, local, old, is_param in replicated:
-        t = torch.empty(old.shape, dtype=old.dtype, device=device)
+    groups = replicated_groups(replicated, budget)
+    for i, group in enumerate(groups):
+        flat = torch.empty(group[-1][1] + group[-1][2], dtype=torch.uint8, device=coll.device)
         if rank == 0:
-            source.read_rows(name, 0, old.shape[0] if old.dim() else 1, t)
-            source.release(name)
-        coll.broadcast(t, src=0, what=f"broadcast of `{name}`")
+            for (name, _, _, old, _), at, n in group:
+                source.read_rows(name, 0, old.shape[0] if old.dim() else 1, _typed(flat, at, n, old))
+                source.release(name)
+        coll.broadcast(flat, src=0, what=f"broadcast of replicated tensors {i + 1}/{len(groups)} ({group[0][0][0]} ...)")
         if rank == 0:
-            stats.bytes_sent += t.numel() * t.element_size() * (world - 1)
+            stats.bytes_sent += flat.numel() * (world - 1)
         else:
-            stats.bytes_received += t.numel() * t.element_size()
-        _install(mod, local, old, t, is_param)
+            stats.bytes_received += flat.numel()
+        install_from(group, flat, device)
+        del flat
 
 
+def replicated_groups(replicated: list[Any], budget: int) -> list[list[tuple[Any, int, int]]]:
+    """Packs the replicated tensors into groups of at most ``budget`` bytes (a larger tensor alone), each sent
+    with one collective: ``[(entry, byte offset, bytes), ...]`` per group, offsets aligned.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> entries = [("a", m, "weight", torch.empty(3, 3), True), ("b", m, "bias", torch.empty(5), True)]
+        >>> [[(e[0], at, n) for e, at, n in g] for g in replicated_groups(entries, 68)]
+        [[('a', 0, 36), ('b', 48, 20)]]
+    """
+    groups: list[list[tuple[Any, int, int]]] = []
+    used = budget
+    for entry in replicated:
+        old = entry[3]
+        n = old.numel() * old.element_size()
+        at = _align(used)
+        if not groups or at + n > budget:
+            groups.append([])
+            at = 0
+        groups[-1].append((entry, at, n))
+        used = at + n
+    return groups
+
+
+def _typed(flat: torch.Tensor, at: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[at, at + n)`` of ``flat`` as a tensor of ``like``'s dtype and shape."""
+    return flat[at : at + n].view(like.dtype).view(like.shape)
+
+
+def install_from(group: list[tuple[Any, int, int]], flat: torch.Tensor, device: torch.device) -> None:
+    """Installs each replicated tensor of ``group`` from its bytes in the received ``flat`` buffer (a copy
+    of its own: a parameter never keeps the whole buffer alive)."""
+    for (_, mod, local, old, is_param), at, n in group:
+        _install(mod, local, old, _typed(flat, at, n, old).to(device, copy=True), is_param)

@@ -84,3 +84,36 @@ def test_a_row_larger_than_a_bucket_is_sent_in_dim1_ranges(group):
     stats = distribute_from_rank0(model, Rank0Source(originals), coll=Collectives("test", timeout_s=30), bucket_bytes=96,
                                   prefetch_buckets=2, device=torch.device("cpu"))
     assert stats.buckets >= 3 * 40 // 4 and torch.equal(model.gate_up.to_local(), ref)
+
+
+def test_replicated_tensors_travel_in_one_collective_per_bucket(group, monkeypatch):
+    # persistent buffers of several dtypes and shapes (0-d, empty, odd sizes): one broadcast for all of them
+    # while they fit the bucket budget, each bitwise rank 0's
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(5, 7))
+    extra = {"count": torch.tensor(7), "mask": torch.tensor([True, False, True]), "empty": torch.empty(0, 3),
+             "bf16": torch.randn(5, dtype=torch.bfloat16), "table": torch.randint(0, 9, (3, 3), dtype=torch.int16)}
+    for name, t in extra.items():
+        model.register_buffer(name, t)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    originals = move_to_meta(model, [], weights_metadata(model), keep=True)
+    fully_shard(model)
+    calls = []
+    real = Collectives.broadcast
+    monkeypatch.setattr(Collectives, "broadcast", lambda self, t, **kw: (calls.append(kw.get("what")), real(self, t, **kw))[1])
+    stats = distribute_from_rank0(model, Rank0Source(originals), coll=Collectives("test", timeout_s=30),
+                                  bucket_bytes=4096, prefetch_buckets=1, device=torch.device("cpu"))
+    assert stats.replicated_tensors == 5
+    replicated = [c for c in calls if "layout" not in c]
+    assert len(replicated) == 1 and "replicated tensors 1/1" in replicated[0], calls
+    for name in extra:
+        got = getattr(model, name)
+        assert got.dtype == ref[name].dtype and got.shape == ref[name].shape and torch.equal(got, ref[name]), name
+    # a budget smaller than the buffers together: several groups, each one collective
+    from accelerate_memsafe.distributed.transport import replicated_groups
+
+    entries = [(n, model, n, t, False) for n, t in extra.items()]
+    assert [len(g) for g in replicated_groups(entries, 16)] == [1, 2, 1, 1]  # the empty one fits anywhere
+    assert all(at % 16 == 0 for g in replicated_groups(entries, 4096) for _, at, _ in g)

@@ -164,7 +164,8 @@ def _plan_quadratic(items, world, budget):
     for item in items:
         ranges = item.ranges
         longest = max(b - a for a, b in ranges)
-        rows = max(1, (budget // world - 16) // max(1, max(item.row_bytes(r) for r in range(world))))
+        per_rank = budget // world // 16 * 16
+        rows = max(1, per_rank // max(1, max(item.row_bytes(r) for r in range(world))))
         k = 0
         while True:
             unit = [(r, min(a + k * rows, b), min(a + (k + 1) * rows, b)) for r, (a, b) in enumerate(ranges)]
@@ -212,3 +213,73 @@ def test_a_fused_expert_row_larger_than_the_budget_is_cut_along_dim_1():
     assert all(bool((c == 1).all()) for c in covered.values()), "every row x column of every block exactly once"
     # rank 0 holds at most prefetch + 1 buckets of cast copies: within bucket_bytes, not 8 x 12 MiB per bucket
     assert 3 * max(world * b.slot_bytes for b in buckets) <= 64 << 20
+
+
+def _llama_70b_shapes():
+    h, inter, vocab, kv = 8192, 28672, 128256, 1024
+    shapes = [("model.embed_tokens.weight", (vocab, h))]
+    for layer in range(80):
+        p = f"model.layers.{layer}."
+        shapes += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                   (p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h)),
+                   (p + "mlp.down_proj.weight", (h, inter)), (p + "input_layernorm.weight", (h,)),
+                   (p + "post_attention_layernorm.weight", (h,))]
+    return shapes + [("model.norm.weight", (h,)), ("lm_head.weight", (vocab, h))]
+
+
+def _block_bytes(item, rank):
+    n = item.dtype.itemsize
+    for z in item.boxes[rank][1]:
+        n *= z
+    return n
+
+
+def test_planning_a_70b_model_for_512_ranks_takes_under_2_s_and_200_mb():
+    # issue 14: planning is O(world) per unit in time and memory (it took ~2 min at 64 ranks before)
+    import tracemalloc
+
+    world, budget = 512, (64 << 20) // 4  # the default bucket_bytes and prefetch_buckets
+    shapes = _llama_70b_shapes()
+    items = [_item(n, s, world) for n, s in shapes]
+    start = time.process_time()  # CPU time: a busy machine does not make it fail
+    buckets = plan_buckets(items, world, budget)
+    took = time.process_time() - start
+    assert took <= 2.0, f"planning took {took:.2f} s of CPU"
+    for i in items:
+        i._geometry = None  # the per-tensor geometry is built by the plan: it counts as the plan's memory
+    tracemalloc.start()
+    try:
+        again = plan_buckets(items, world, budget)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 200 << 20, f"planning held {peak / 2**20:.0f} MiB"
+    assert len(again) == len(buckets) and all(world * b.slot_bytes <= budget for b in buckets)
+    # the last rank's pieces, derived bucket by bucket, are exactly its block of every tensor
+    got = {}
+    for b in buckets:
+        for p in b.pieces_of(world - 1):
+            got[p.item.name] = got.get(p.item.name, 0) + p.nbytes
+    assert all(got.get(i.name, 0) == _block_bytes(i, world - 1) for i in items)
+
+
+def test_a_qwen3_moe_shaped_model_keeps_rank0_cast_copies_within_bucket_bytes_at_8_ranks():
+    # Qwen3-MoE-30B-A3B's shapes (48 layers, 128 fused experts) with fp32 master weights, FSDP over 8 ranks:
+    # rank 0 holds at most prefetch_buckets + 1 buckets of cast copies; they must fit `bucket_bytes`
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_hidden_layers=48))
+    world, bucket_bytes, prefetch = 8, 64 << 20, 2
+    budget = bucket_bytes // (prefetch + 2)
+    items = [_item(n, tuple(p.shape), world) for n, p in model.named_parameters()]
+    assert any(len(i.shape) == 3 and i.row_bytes(0) > budget // world for i in items), "fused experts larger than a share"
+    buckets = plan_buckets(items, world, budget)
+    assert (prefetch + 1) * max(world * b.slot_bytes for b in buckets) <= bucket_bytes
+    sent = {}
+    for b in buckets:
+        for p in b.pieces:
+            assert p.offset + p.nbytes <= b.slot_bytes
+            sent[(p.item.name, p.rank)] = sent.get((p.item.name, p.rank), 0) + p.nbytes
+    assert all(sent.get((i.name, r), 0) == _block_bytes(i, r) for i in items for r in range(world))
