@@ -463,3 +463,74 @@ def start_next_epoch_fresh(dataloader: Any) -> bool:
     dataloader.next_iter_state = None
     dataloader._iterator = None  # what `load_state_dict` sets: a fresh iterator at `iter()`
     return True
+
+
+# -- transformers ``Trainer`` internals used by ``integrations.trainer`` --------------------------------------
+#
+# 6. ``Trainer.create_accelerator_and_postprocess`` builds the Trainer's accelerator as
+#    ``transformers.trainer.Accelerator(**args)`` (a module global) and derives ``is_fsdp_enabled`` /
+#    ``is_deepspeed_enabled`` from its state. ``MemSafeTrainerMixin`` lets that method run unchanged with the
+#    global pointing at a factory of ``accelerate_memsafe.Accelerator`` for the duration of the call.
+# 7. ``AcceleratorState._reset_state``: ``TrainingArguments`` initialises accelerate's state as it builds its
+#    device; on a machine without an accelerator and without ``use_cpu=True`` that is a single-process state
+#    (``NO``), which must be reset before a gloo group can be formed (transformers resets it the same way).
+
+
+def check_trainer_version(transformers_version: str | None = None) -> bool:
+    """Whether the installed transformers is one whose ``Trainer.create_accelerator_and_postprocess`` was
+    tested with :func:`trainer_accelerator_factory` (warns otherwise).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     check_trainer_version("9.0.0")
+        False
+    """
+    import transformers
+
+    return _warn_untested(
+        "Trainer accelerator", {"transformers": Version(transformers_version or transformers.__version__)},
+        {"transformers": TESTED_TRANSFORMERS},
+        "If the Trainer no longer builds its accelerator as `transformers.trainer.Accelerator(**args)`, the plugin is "
+        "attached to the accelerator it built instead. Please report problems with the versions involved.",
+        stacklevel=4,
+    )
+
+
+@contextlib.contextmanager
+def trainer_accelerator_factory(factory: Callable[..., Any]) -> Iterator[None]:
+    """While open, ``transformers.Trainer.create_accelerator_and_postprocess`` builds its accelerator with
+    ``factory(**args)`` instead of ``accelerate.Accelerator(**args)`` (the module global
+    ``transformers.trainer.Accelerator`` is swapped and restored; the Trainer builds nothing else with it).
+    """
+    import transformers.trainer as trainer_module
+
+    check_trainer_version()
+    original = trainer_module.Accelerator
+    trainer_module.Accelerator = factory
+    try:
+        yield
+    finally:
+        trainer_module.Accelerator = original
+
+
+def reset_single_process_state() -> bool:
+    """Resets an accelerate state that was initialised as a single process (``NO``) in a multi-process launch
+    on a machine without an accelerator, so that the next ``Accelerator(cpu=True)`` forms a gloo group.
+
+    ``TrainingArguments`` builds accelerate's ``PartialState`` when it is created; without ``use_cpu=True`` a
+    CPU-only machine gets ``DistributedType.NO`` with one process, in every process of the launch. Objects that
+    hold the state (``TrainingArguments.distributed_state``) share its dictionary and see the new state.
+
+    Returns:
+        Whether the state was reset.
+    """
+    from .env import launch_env
+
+    shared = PartialState._shared_state
+    if not shared or shared.get("distributed_type") != DistributedType.NO or launch_env().world_size <= 1:
+        return False
+    check_accelerate_version()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return True

@@ -12,7 +12,8 @@ import torch
 
 from . import _compat
 from .env import launch_env, memsafe_variables
-from .pipeline import HookContext
+from .memory.report import MemoryReport
+from .pipeline import HookContext, Pipeline
 from .plugin import MemSafePlugin
 
 
@@ -152,6 +153,11 @@ class MemSafeMixin:
             )
         ctx.model = models[0][1] if models else None
         ctx.optimizers = [getattr(o, "optimizer", o) for o in optimizers]
+        # A call without a model or an optimizer (a Trainer prepares each dataloader alone) still runs the stages
+        # (dataloader_resume records its dataloaders) but adds no records: one `prepare` pipeline per model.
+        pipeline = self.memsafe_plugin.pipeline
+        if not models and not optimizers:
+            pipeline = Pipeline(pipeline.stages, MemoryReport(), track_tensors=False)
 
         def upstream(c: HookContext) -> Any:
             new_args = list(args)
@@ -176,8 +182,9 @@ class MemSafeMixin:
                         g["params"] = params
             return out
 
-        result = self.memsafe_plugin.pipeline.run(ctx, upstream)
-        self._memsafe_finish()
+        result = pipeline.run(ctx, upstream)
+        if pipeline is self.memsafe_plugin.pipeline:
+            self._memsafe_finish()
         return result
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
@@ -254,7 +261,9 @@ class Accelerator(MemSafeMixin, accelerate.Accelerator):
         cpu_fsdp2 = _wants_cpu_fsdp2(fsdp_plugin)
         parallelism_config = None
         if cpu_fsdp2:
-            # Without cpu=True accelerate runs each process as a single-process job on a CPU-only machine.
+            # Without cpu=True accelerate runs each process as a single-process job on a CPU-only machine; a
+            # state already initialised that way (by `TrainingArguments`) is reset first.
+            _compat.reset_single_process_state()
             kwargs["cpu"] = True
             kwargs["fsdp_plugin"] = fsdp_plugin
             # accelerate refuses a ParallelismConfig for a MULTI_CPU state: installed once the state is FSDP.

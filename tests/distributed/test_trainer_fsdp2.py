@@ -1,0 +1,75 @@
+"""Issue 16: ``MemSafeTrainer`` and TRL's ``SFTTrainer`` through ``MemSafeTrainerMixin`` get the whole plugin with
+FSDP2 from ``TrainingArguments`` on 2 CPU gloo processes, each next to the stock Trainer in the same processes
+(one spawn for everything, see ``workers_trainer.trainer_suite``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+pytest.importorskip("trl")
+
+from tests.distributed import workers_trainer as w
+from tests.spawn import run_on_ranks
+
+PREPARE_STAGES = ("meta_placement", "shard", "rank0_distribute", "buffer_init")
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    from accelerate_memsafe.models import save_llama
+
+    big = save_llama(tmp_path_factory.mktemp("llama-100m"), "100m")
+    small = save_llama(tmp_path_factory.mktemp("llama-small"), "small")
+    out = tmp_path_factory.mktemp("trainer-suite")
+    return run_on_ranks(w.trainer_suite, 2, init_process_group=False, timeout=420, big_dir=str(big),
+                        small_dir=str(small), out=str(out)), out
+
+
+def test_rank1_load_and_setup_stay_within_the_prepare_bound_where_the_stock_trainer_exceeds_it(suite):
+    results, _ = suite
+    for rank, res in enumerate(results):
+        mine, stock = res["memory"]["memsafe"], res["memory"]["stock"]
+        assert mine["distributed_type"] == "DistributedType.FSDP" and mine["dtensor"], "FSDP2 from TrainingArguments on CPU"
+        assert stock["distributed_type"] == "DistributedType.MULTI_CPU" and not stock["dtensor"], "stock runs DDP"
+        ran = [stage for hook, stage, status in mine["prepare"] if status == "ran"]
+        assert all(s in ran for s in PREPARE_STAGES), (rank, mine["prepare"])
+    rank1 = results[1]["memory"]
+    model_bytes, largest = rank1["memsafe"]["model_bytes"], rank1["memsafe"]["largest"]
+    bound = model_bytes / 2 + largest + (64 << 20)
+    assert rank1["memsafe"]["grown"] <= bound, (rank1["memsafe"]["grown"] / 2**20, bound / 2**20)
+    assert rank1["stock"]["grown"] > bound, "control: the stock Trainer holds the whole model on rank 1"
+
+
+@pytest.mark.parametrize("name", ["trainer", "sft"])
+def test_training_checkpoints_best_model_and_resume_match_the_stock_trainer(suite, name):
+    results, out = suite
+    for rank, res in enumerate(results):
+        stock, mine, resumed = res[name]["stock"], res[name]["memsafe"], res[name]["resumed"]
+        # trains sharded, bitwise as the stock Trainer on the same FSDP2 state
+        assert mine["sharded"] and set(mine["trainable"]) <= set(mine["sharded"]), "every trainable parameter is a DTensor"
+        assert mine["losses"] == stock["losses"] and len(mine["losses"]) == 4
+        # load_best_model_at_end: the best checkpoint (step 2, not the last), reloaded CPU-first, as stock
+        assert mine["best"] == str(out / f"{name}-memsafe" / "checkpoint-2") and stock["best"].endswith("checkpoint-2")
+        assert all(torch.equal(mine["adapter"][k], v) for k, v in stock["adapter"].items()) and mine["adapter"].keys() == stock["adapter"].keys()
+        assert all(torch.equal(mine["adapter"][k], v) for k, v in mine["best_saved"].items())
+        assert any(not torch.equal(mine["adapter"][k], v) for k, v in mine["last_saved"].items()), "so the check can fail"
+        assert [s for s, _ in mine["reloads"]] == ["peft_cpu_reload"]
+        # atomic checkpoints; rotation (save_total_limit=2) kept the best and the last, like stock's
+        assert mine["checkpoints"] == stock["checkpoints"] and mine["marked"] == ["checkpoint-2", "checkpoint-4"]
+        assert stock["marked"] == []
+        # one prepare pipeline (the train and eval dataloaders prepared alone add none), one save_state per checkpoint
+        prepare = [s for h, s, st in mine["records"] if h == "prepare"]
+        assert prepare.count("accelerate.prepare") == 1 and all(s in prepare for s in PREPARE_STAGES)
+        saves = [(s, st) for h, s, st in mine["records"] if h == "save_state"]
+        assert saves.count(("atomic_checkpoint", "ran")) == 4 and saves.count(("transformers.Trainer._save_checkpoint", "ran")) == 4
+        assert f"(rank {rank}): prepare ran meta_placement, shard, rank0_distribute, buffer_init" in mine["summary"]
+        assert "4 checkpoint(s) saved atomically" in mine["summary"]
+        # resumed from checkpoint 2 after the run's folder moved: the same steps 3-4, the best found again
+        assert resumed["losses"] == mine["losses"]
+        assert resumed["best"] == str(out / f"{name}-moved" / "checkpoint-2")
+        assert all(torch.equal(resumed["adapter"][k], v) for k, v in mine["adapter"].items())
+        assert [s for s, _ in resumed["reloads"]] == ["peft_cpu_reload", "optimizer_cpu_reload", "peft_cpu_reload"]
+        optimizer = resumed["reloads"][1][1]
+        assert optimizer["bytes_read"] == optimizer["state_bytes"] > 0 and optimizer["reclaimed_device_bytes"] == 0
