@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -344,6 +345,37 @@ def hook_weights_map(module: torch.nn.Module):
         if wm is not None and getattr(h, "offload", True):
             return wm
     return None
+
+
+def offload_file_entry(weights_map: Any, key: str) -> dict[str, Any] | None:
+    """Where accelerate's offload loader reads ``weights_map[key]`` from, without loading it.
+
+    ``OffloadedWeightsLoader.__getitem__`` (behind a hook's ``PrefixedDataset``) returns a tensor of its
+    ``state_dict`` if it holds one, else reads its ``index`` entry: a tensor of a safetensors file
+    (``safetensors_file`` / ``weight_name``, cast to ``dtype``; transformers' disk offload) or the raw
+    ``<save_folder>/<key>.dat`` (accelerate's ``offload_weight``). The caller checks dtype and shape
+    against the file before using the bytes in place of the loaded tensor.
+
+    Returns:
+        ``{"format": "safetensors", "file", "name", "dtype"}`` or ``{"format": "dat", "file", "dtype",
+        "shape"}``; ``None`` for a tensor held in memory or a mapping of another kind.
+    """
+    check_accelerate_version()
+    from accelerate.utils.offload import OffloadedWeightsLoader, PrefixedDataset
+
+    if not isinstance(weights_map, PrefixedDataset) or not isinstance(weights_map.dataset, OffloadedWeightsLoader):
+        return None
+    loader, full = weights_map.dataset, f"{weights_map.prefix}{key}"
+    info = loader.index.get(full)
+    if full in loader.state_dict or not isinstance(info, dict):
+        return None
+    if info.get("safetensors_file") is not None:
+        return {"format": "safetensors", "file": str(info["safetensors_file"]), "name": info.get("weight_name", full),
+                "dtype": info.get("dtype")}
+    if loader.save_folder is None or "dtype" not in info or "shape" not in info:
+        return None
+    return {"format": "dat", "file": os.path.join(loader.save_folder, f"{full}.dat"), "dtype": info["dtype"],
+            "shape": list(info["shape"])}
 
 
 def default_store() -> Any:

@@ -10,8 +10,10 @@ model trained in memory is not pushed to swap.
 
 A weight loaded that way keeps its address when written in place (the mapping is copy-on-write), so an
 address inside the file mapping does not prove the bytes are the file's: :func:`unmodified_file_pages`
-asks ``/proc/self/pagemap`` which pages are still the file's own. This module is the package's one
-place that inspects pages (``/proc/self/maps``, ``/proc/self/pagemap``, ``madvise``).
+asks ``/proc/self/pagemap`` which pages are still the file's own; where they all are, the tensor's bytes
+can be taken from the file itself (:func:`file_extents`: the offloaded save copies them in the kernel, so
+they never fault into this process). This module is the package's one place that inspects pages
+(``/proc/self/maps``, ``/proc/self/pagemap``, ``madvise``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import mmap
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +39,31 @@ _PM_SWAP = 1 << 62
 _PM_FILE = 1 << 61  # file page or shared anonymous page; clear on a private copy-on-write copy
 #: Spans closer than this many pages are read with one ``pread`` (holes between them read as zeros).
 _MERGE_GAP_PAGES = 1 << 14
+
+
+def _parse_maps(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[int, int, int, str, int]]:
+    """``(start, end, file_offset, path, inode)`` of the regular-file mappings (see :func:`file_mappings`)."""
+    out = []
+    real: dict[str, str | None] = {}  # one stat per file, not per mapping (a .so has several)
+    try:
+        with open(_MAPS, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6:
+                    continue  # anonymous mapping
+                path = parts[5].strip()
+                if not path.startswith("/") or path.endswith("(deleted)") or not path.endswith(path_suffix):
+                    continue
+                if path not in real:
+                    real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
+                if real[path] is None:
+                    continue
+                start, _, end = parts[0].partition("-")
+                out.append((int(start, 16), int(end, 16), int(parts[2], 16), real[path], int(parts[4])))
+    except (OSError, ValueError):
+        return []
+    out.sort()
+    return out
 
 
 def file_mappings(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[int, int, int, str]]:
@@ -57,27 +85,7 @@ def file_mappings(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[
         >>> all(lo < hi for lo, hi, _, _ in file_mappings(".so"))
         True
     """
-    out = []
-    real: dict[str, str | None] = {}  # one stat per file, not per mapping (a .so has several)
-    try:
-        with open(_MAPS, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6:
-                    continue  # anonymous mapping
-                path = parts[5].strip()
-                if not path.startswith("/") or path.endswith("(deleted)") or not path.endswith(path_suffix):
-                    continue
-                if path not in real:
-                    real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
-                if real[path] is None:
-                    continue
-                start, _, end = parts[0].partition("-")
-                out.append((int(start, 16), int(end, 16), int(parts[2], 16), real[path]))
-    except OSError:
-        return []
-    out.sort()
-    return out
+    return [m[:4] for m in _parse_maps(path_suffix, resolve=resolve)]
 
 
 def file_backed_ranges() -> list[tuple[int, int]]:
@@ -193,14 +201,78 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
     return out
 
 
-def _libc():
+@dataclass(frozen=True)
+class FileExtent:
+    """``nbytes`` bytes at ``offset`` of the regular file ``path`` (inode ``ino``): where the kernel can copy a
+    tensor's bytes from (``copy_file_range``) without them passing through this process's memory."""
+
+    path: str
+    offset: int
+    nbytes: int
+    ino: int
+
+    def part(self, start: int, nbytes: int) -> FileExtent:
+        """The ``nbytes`` bytes from ``start`` (relative to this extent)."""
+        if start < 0 or start + nbytes > self.nbytes:
+            raise ValueError(f"[{start}, {start + nbytes}) is not inside an extent of {self.nbytes} bytes")
+        return FileExtent(self.path, self.offset + start, nbytes, self.ino)
+
+
+def file_extents(tensors: Sequence[torch.Tensor]) -> list[FileExtent | None]:
+    """Where in a file each tensor's bytes lie, for CPU tensors that are contiguous views of a file mapping
+    whose pages all still hold the file's bytes (:func:`unmodified_file_pages`).
+
+    A tensor in anonymous memory, one with a written page, one whose file was deleted, or one whose path
+    now names another file (another inode) gets ``None``: its bytes must be read from memory. One read of
+    ``/proc/self/maps`` and of the pagemap for all tensors.
+
+    Args:
+        tensors: CPU tensors, e.g. the cpu-resident weights transformers maps from a checkpoint.
+
+    Returns:
+        One extent or ``None`` per tensor, in order.
+
+    Example:
+        >>> file_extents([torch.ones(4096)])  # anonymous memory
+        [None]
+    """
+    spans, where = [], []
+    for i, t in enumerate(tensors):
+        if t.device.type == "cpu" and t.is_contiguous() and t.numel():
+            spans.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+            where.append(i)
+    out: list[FileExtent | None] = [None] * len(tensors)
+    if not spans:
+        return out
+    clean = unmodified_file_pages(spans)
+    maps = _parse_maps(resolve=False)
+    starts = [m[0] for m in maps]
+    inodes: dict[str, int | None] = {}
+    for i, (begin, end), ok in zip(where, spans, clean):
+        k = bisect.bisect_right(starts, begin) - 1
+        if not ok or k < 0 or end > maps[k][1]:
+            continue
+        lo, _, offset, path, ino = maps[k]
+        if path not in inodes:
+            try:
+                inodes[path] = os.stat(path).st_ino
+            except OSError:
+                inodes[path] = None
+        if inodes[path] == ino:
+            out[i] = FileExtent(path, offset + begin - lo, end - begin, ino)
+    return out
+
+
+@functools.cache
+def libc():
+    """The C library with ``madvise``'s argument types set (loaded once), or ``None`` where there is none."""
     name = ctypes.util.find_library("c")
     if not name or os.name != "posix":
         return None
     try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
+        c = ctypes.CDLL(name, use_errno=True)
+        c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return c
     except (OSError, AttributeError):
         return None
 
@@ -219,8 +291,8 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], ranges: list[tuple[int
         >>> release_mapped_pages([torch.zeros(4)])  # an ordinary allocation is never advised
         0
     """
-    libc = _libc()
-    if libc is None:
+    c = libc()
+    if c is None:
         return 0
     ranges = file_backed_ranges() if ranges is None else ranges
     if not ranges:
@@ -241,7 +313,7 @@ def release_mapped_pages(tensors: Iterable[torch.Tensor], ranges: list[tuple[int
         hi = end // page * page
         if hi <= lo:
             continue
-        if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0:
+        if c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_PAGEOUT) == 0:
             advised += hi - lo
     return advised
 
@@ -275,10 +347,10 @@ class CleanFilePages:
         if id(t) not in self._clean:
             return 0
         self._clean.discard(id(t))
-        libc = _libc()
+        c = libc()
         page = mmap.PAGESIZE
         begin = t.data_ptr()
         lo, hi = (begin + page - 1) // page * page, (begin + t.numel() * t.element_size()) // page * page
-        if libc is None or hi <= lo:
+        if c is None or hi <= lo:
             return 0
-        return hi - lo if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0 else 0
+        return hi - lo if c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0 else 0

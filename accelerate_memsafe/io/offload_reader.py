@@ -8,12 +8,14 @@ disk offload index. Tensors placed on ``cpu`` (or an accelerator) are real and a
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 import torch
 
 from .. import _compat
 from ..errors import CheckpointError
+from .mapped_pages import FileExtent, file_extents
 
 
 def _offload_maps(model: torch.nn.Module) -> dict[str, Mapping]:
@@ -68,6 +70,8 @@ class OffloadedTensorReader:
 
     def __init__(self, model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]):
         self._tensors = dict(state_dict)
+        self._resident_extents: dict[str, FileExtent | None] | None = None
+        self._headers: dict[str, dict] = {}
         maps = _offload_maps(model)
         self._sources: dict[str, tuple[Mapping, str]] = {}
         orphans = []
@@ -109,6 +113,65 @@ class OffloadedTensorReader:
         if tensor.device.type != "cpu":
             tensor = tensor.to("cpu")
         return tensor
+
+    def extent(self, name: str) -> FileExtent | None:
+        """Where in a file the bytes :meth:`read` would return for ``name`` lie, or ``None`` where they must be
+        read into memory.
+
+        A cpu-resident tensor qualifies when it is a contiguous view of a memory-mapped file whose pages
+        still hold the file's bytes (:func:`~accelerate_memsafe.io.mapped_pages.file_extents`; decided once,
+        for every resident tensor, at the first call). An offloaded one qualifies when accelerate's loader
+        reads it, unconverted, from a safetensors file or its raw ``.dat`` file
+        (:func:`accelerate_memsafe._compat.offload_file_entry`) with the dtype and shape the model has.
+
+        Example:
+            >>> import torch
+            >>> m = torch.nn.Linear(2, 2)
+            >>> OffloadedTensorReader(m, m.state_dict()).extent("weight") is None  # anonymous memory
+            True
+        """
+        if name not in self._sources:
+            if self._resident_extents is None:
+                names = [n for n, t in self._tensors.items() if n not in self._sources and t.device.type == "cpu"]
+                found = file_extents([self._tensors[n] for n in names])
+                self._resident_extents = dict(zip(names, found))
+            return self._resident_extents.get(name)
+        entry = _compat.offload_file_entry(*self._sources[name])
+        if entry is None:
+            return None
+        want = self._tensors[name]
+        nbytes = want.numel() * want.element_size()
+        if entry["format"] == "dat":
+            # offload_weight stores the raw bytes, bfloat16 / float8 reinterpreted as int16 / int8
+            dtype = getattr(torch, entry["dtype"], None)
+            if dtype != want.dtype or tuple(entry["shape"]) != tuple(want.shape):
+                return None
+            return _existing_extent(entry["file"], 0, nbytes)
+        source = self._safetensors_entries(entry["file"]).get(entry["name"])
+        cast = entry["dtype"]
+        if source is None or source.dtype != want.dtype or (cast is not None and getattr(torch, cast, None) != want.dtype):
+            return None
+        if tuple(source.shape) != tuple(want.shape) or source.nbytes != nbytes:
+            return None
+        return _existing_extent(entry["file"], source.offset, nbytes)
+
+    def _safetensors_entries(self, file: str) -> dict:
+        if file not in self._headers:
+            from .safetensors_source import SafetensorsSource
+
+            try:
+                self._headers[file] = SafetensorsSource(file).entries
+            except (CheckpointError, OSError):
+                self._headers[file] = {}  # read through the offload loader instead
+        return self._headers[file]
+
+
+def _existing_extent(path: str, offset: int, nbytes: int) -> FileExtent | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return FileExtent(path, offset, nbytes, st.st_ino) if offset + nbytes <= st.st_size else None
 
 
 def cpu_disk_device_map(model: torch.nn.Module, cpu_fraction: float = 0.5) -> dict[str, str]:

@@ -1,12 +1,22 @@
 """Save an offloaded model shard by shard, with bounded memory, whatever its weight conversions.
 
-For each planned shard (see :mod:`.shard_plan`): load only its tensors (from the cpu/disk offload hooks),
-revert transformers' weight conversions group by group, write the file with safetensors, release
-everything, then go on. Afterwards the index (with the saved names), the config and the generation config
-are written and every file's safetensors header is checked against the plan without reading data.
+The shards are planned from names, shapes and dtypes (:mod:`.shard_plan`), and so is every file's
+safetensors layout (:mod:`.safetensors_layout`: header first, each tensor's offset known before it is read).
+The caller's thread then prepares one conversion group at a time, in plan order: it reads the group's
+tensors (cpu-resident ones as they are, offloaded ones through the offload hooks), reverts transformers'
+weight conversions, checks the result against the plan, and notes for each saved tensor whether its bytes
+already lie in a file (a memory-mapped checkpoint, a disk offload file; :meth:`OffloadedTensorReader.extent`).
+A writer thread (:mod:`.shard_writer`) puts each group at its offsets while the next group is prepared —
+bytes that lie in a file are copied by the kernel, the others written from memory — and a syncer thread
+fsyncs each finished file while the next one is written. Afterwards the index (with the saved names), the
+config and the generation config are written and every file's safetensors header is checked against the
+plan without reading data. Each file is byte-identical to ``safetensors.torch.save_file`` of its tensors
+with transformers' ``{"format": "pt"}`` metadata.
 
-Memory: at most one shard's outputs plus one conversion group in flight, i.e. below
-``2 × max(max_shard_size, largest group)``; CPU-resident tensors are passed to safetensors without a copy.
+Memory: the bytes of the groups read and not yet written never exceed ``max(max_shard_size, largest
+group)`` (inputs and outputs of a converted group counted), so private memory stays below
+``2 × max(max_shard_size, largest group)`` over the baseline; bytes copied by the kernel never enter
+this process's memory.
 """
 
 from __future__ import annotations
@@ -15,21 +25,25 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .. import _compat
-from ..errors import CheckpointError
-from ..memory.procfs import malloc_trim
+from ..errors import CheckpointError, ConfigError
 from ..sizes import parse_size
 from . import atomic
-from .mapped_pages import file_backed_ranges, release_mapped_pages
+from .mapped_pages import FileExtent
 from .offload_reader import OffloadedTensorReader
-from .shard_plan import ConversionGroup, ShardPlan, plan_offloaded_save, saveable_state_dict
+from .safetensors_layout import SafetensorsLayout, header_shape, safetensors_dtype
+from .shard_plan import ConversionGroup, ShardPlan, TensorSpec, plan_offloaded_save, saveable_state_dict
+from .shard_writer import RELEASE_MODES, ShardWriter, TensorWrite, WriterStats
 
 INDEX_NAME = "model.safetensors.index.json"
+#: The ``__metadata__`` transformers' ``save_pretrained`` writes into every shard.
+METADATA = {"format": "pt"}
 
 
 @dataclass
@@ -41,8 +55,13 @@ class OffloadedSaveResult:
     files: dict[str, int] = field(default_factory=dict)
     """File name -> bytes on disk, for every shard."""
 
-    released_bytes: int = 0
-    """Resident pages of memory-mapped cpu weights handed back to the kernel after their shard was written."""
+    writer: WriterStats = field(default_factory=WriterStats)
+    """Bytes copied by the kernel / written from memory, pages released, the memory budget and its peak."""
+
+    @property
+    def released_bytes(self) -> int:
+        """Resident pages of memory-mapped cpu weights handed back to the kernel after their shard was written."""
+        return self.writer.released_bytes
 
     def details(self) -> dict[str, Any]:
         """Figures for the report."""
@@ -50,21 +69,12 @@ class OffloadedSaveResult:
             **self.plan.summary(),
             "bytes_written": sum(self.files.values()),
             "largest_file_bytes": max(self.files.values(), default=0),
-            "released_mapped_bytes": self.released_bytes,
+            "kernel_copied_bytes": self.writer.copied_bytes,
+            "memory_written_bytes": self.writer.written_bytes,
+            "released_mapped_bytes": self.writer.released_bytes,
+            "inflight_budget_bytes": self.writer.budget_bytes,
+            "inflight_peak_bytes": self.writer.peak_reserved_bytes,
         }
-
-
-def _safetensors_dtype(dtype: torch.dtype) -> str:
-    names = {
-        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-        torch.bool: "BOOL",
-    }
-    for attr, name in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                       ("uint32", "U32"), ("uint64", "U64")):
-        if hasattr(torch, attr):
-            names[getattr(torch, attr)] = name
-    return names.get(dtype, str(dtype))
 
 
 def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
@@ -128,7 +138,7 @@ def verify_written(directory: str | os.PathLike, plan: ShardPlan) -> dict[str, i
             if entry is None:
                 problems.append(f"{shard.filename}: `{name}` is missing")
                 continue
-            want = (_safetensors_dtype(spec.dtype), list(spec.shape))
+            want = (safetensors_dtype(spec.dtype), header_shape(spec.shape, spec.dtype))
             got = (entry.get("dtype"), list(entry.get("shape", [])))
             if want != got:
                 problems.append(f"{shard.filename}: `{name}` is {got[0]}{got[1]}, planned {want[0]}{want[1]}")
@@ -172,37 +182,80 @@ def _save_configs(model: torch.nn.Module, directory: Path) -> None:
         model.generation_config.save_pretrained(directory)
 
 
-def _convert_group(model: torch.nn.Module, group: ConversionGroup, reader: OffloadedTensorReader, filename: str,
-                   save_original_format: bool, resident: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Loads one conversion group, reverts it, and checks the result against the plan. Appends the tensors
-    read without a copy (held by the model anyway) to ``resident``."""
-    loaded = {s.name: reader.read(s.name) for s in group.sources}
-    resident.extend(t for n, t in loaded.items() if reader.is_resident(n))
-    out = _compat.revert_conversions(model, loaded) if save_original_format else loaded
-    del loaded  # the inputs of a converted group are released before the next group is read
+def _check_output(t: torch.Tensor, spec: TensorSpec, sources: list[str], filename: str) -> torch.Tensor:
+    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+        raise CheckpointError(
+            f"reverting the conversion of {sources} gave `{spec.name}` as {(tuple(t.shape), t.dtype)}, planned "
+            f"{(spec.shape, spec.dtype)}; {filename} was not written."
+        )
+    return t.contiguous()
+
+
+def _view_extent(t: torch.Tensor, sources: list[tuple[torch.Tensor, FileExtent | None]]) -> FileExtent | None:
+    """The extent of ``t`` when it is a contiguous view inside a source tensor whose bytes lie in a file."""
+    if not t.numel() or not t.is_contiguous():
+        return None
+    storage = t.untyped_storage().data_ptr()
+    for s, extent in sources:
+        if extent is None or not s.is_contiguous() or s.untyped_storage().data_ptr() != storage:
+            continue
+        start = t.data_ptr() - s.data_ptr()
+        nbytes = t.numel() * t.element_size()
+        if start >= 0 and start + nbytes <= extent.nbytes:
+            return extent.part(start, nbytes)
+    return None
+
+
+def _read_checked(reader: OffloadedTensorReader, spec: TensorSpec, source: str, filename: str) -> torch.Tensor:
+    return _check_output(reader.read(source), spec, [source], filename)
+
+
+def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: OffloadedTensorReader,
+                   layout: SafetensorsLayout, filename: str, *, save_original_format: bool,
+                   kernel_copy: bool) -> tuple[list[TensorWrite], list[torch.Tensor]]:
+    """Reads one conversion group, reverts it, checks it against the plan, and says where each saved tensor
+    goes and where its bytes can be copied from.
+
+    Returns:
+        The writes, and the tensors read that the model holds itself (whose pages are released later).
+    """
     sources = [s.name for s in group.sources]
+    if not group.converted:
+        # A group of one that is only renamed: the saved bytes are the source's, maybe straight from a file.
+        (spec,), name = group.outputs, sources[0]
+        begin, end = layout.ranges[spec.name]
+        resident = reader.is_resident(name)
+        extent = reader.extent(name) if kernel_copy else None
+        if extent is not None and extent.nbytes == end - begin:
+            tensor = reader.read(name) if resident else None  # offloaded: read only if the kernel cannot copy
+            load = partial(_read_checked, reader, spec, name, filename)
+            return [TensorWrite(begin, end - begin, tensor, extent, load)], [tensor] if resident else []
+        tensor = _check_output(reader.read(name), spec, sources, filename)
+        return [TensorWrite(begin, end - begin, tensor)], [tensor] if resident else []
+    loaded = {n: reader.read(n) for n in sources}
+    extents = [(loaded[n], reader.extent(n) if kernel_copy else None) for n in sources]
+    resident = [t for n, t in loaded.items() if reader.is_resident(n)]
+    out = _compat.revert_conversions(model, loaded) if save_original_format else dict(loaded)
     if sorted(out) != sorted(o.name for o in group.outputs):
         raise CheckpointError(
             f"reverting the conversion of {sources} gave {sorted(out)}, planned {[o.name for o in group.outputs]}; "
             f"{filename} was not written."
         )
-    converted = {}
+    writes = []
     for spec in group.outputs:
-        t = out[spec.name]
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise CheckpointError(
-                f"reverting the conversion of {sources} gave `{spec.name}` as {(tuple(t.shape), t.dtype)}, planned "
-                f"{(spec.shape, spec.dtype)}; {filename} was not written."
-            )
-        converted[spec.name] = t.contiguous()
-    return converted
+        t = _check_output(out[spec.name], spec, sources, filename)
+        begin, end = layout.ranges[spec.name]
+        writes.append(TensorWrite(begin, end - begin, t, _view_extent(t, extents)))
+    return writes, resident
 
 
 def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: ShardPlan, *,
                     save_original_format: bool = True, progress: bool = True,
-                    reader: OffloadedTensorReader | None = None, release_pages: bool = True) -> OffloadedSaveResult:
+                    reader: OffloadedTensorReader | None = None, release_pages: str = "unmap",
+                    kernel_copy: bool = True) -> OffloadedSaveResult:
     """Writes the planned shards, the index and the configs into an existing, empty ``directory`` (no
-    temporary directory: the caller owns atomicity, e.g. the ``atomic_checkpoint`` stage).
+    temporary directory: the caller owns atomicity, e.g. the ``atomic_checkpoint`` stage). Every shard is
+    fsynced before this returns.
 
     Args:
         model: The dispatched model.
@@ -211,24 +264,31 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
         save_original_format: Revert transformers' weight conversions.
         progress: Show a tqdm bar of bytes written.
         reader: Where tensors are read from (default: the model's offload hooks).
-        release_pages: After each shard, hand the pages of the memory-mapped cpu-resident weights it read
-            back to the kernel (see :mod:`.mapped_pages`), so that RSS grows by about one shard, not by the
-            cpu-resident model.
+        release_pages: What to do, after each shard, with the pages of the memory-mapped cpu weights it read
+            (see :class:`~accelerate_memsafe.io.shard_writer.ShardWriter`): ``"unmap"`` (default; drops the
+            clean ones from RSS, no I/O), ``"pageout"`` (reclaims them, synchronously), ``"off"``.
+        kernel_copy: Let the kernel copy bytes that lie in a file (``copy_file_range``); ``False`` writes
+            every tensor from memory.
 
     Returns:
         What was written.
 
     Raises:
-        CheckpointError: If a converted tensor differs from the plan (before its file is written) or the
-            written headers do not match the plan.
+        CheckpointError: If a converted tensor differs from the plan (its file is not completed), a dtype
+            cannot be stored in safetensors (before anything is written), or the written headers do not
+            match the plan.
+        OSError: If writing or fsyncing a file fails (naming the file).
 
     Example:
         >>> # write_offloaded(model, tmp_dir, plan_offloaded_save(model, 10**9))
     """
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     directory = Path(directory)
+    try:
+        layouts = [SafetensorsLayout.of(((o.name, o.shape, o.dtype) for o in s.outputs), METADATA) for s in plan.shards]
+    except ValueError as exc:
+        raise CheckpointError(f"{exc} Nothing was written. HINT: cast the model to a supported dtype first.") from None
     directory.mkdir(parents=True, exist_ok=True)
     if reader is None:
         reader = OffloadedTensorReader(model, saveable_state_dict(model))
@@ -236,19 +296,19 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
     result = OffloadedSaveResult(str(directory), plan)
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Writing offloaded shards", disable=not progress)
     try:
-        ranges = file_backed_ranges() if release_pages else []
-        for shard in plan.shards:
-            tensors: dict[str, torch.Tensor] = {}
-            resident: list[torch.Tensor] = []  # alive anyway (the model holds them); pages released below
-            for group in shard.groups:
-                tensors.update(_convert_group(model, group, reader, shard.filename, save_original_format, resident))
-            save_file(tensors, str(directory / shard.filename), metadata={"format": "pt"})
-            del tensors
-            if ranges:
-                result.released_bytes += release_mapped_pages(resident, ranges)
-            del resident
-            malloc_trim()
-            bar.update(shard.nbytes)
+        with ShardWriter(plan.max_shard_size, kernel_copy=kernel_copy, release_pages=release_pages,
+                         on_written=bar.update) as writer:
+            for shard, layout in zip(plan.shards, layouts):
+                writer.open(directory / shard.filename, layout)
+                for group in shard.groups:
+                    writer.reserve(group.memory_bytes)
+                    writes, resident = _prepare_group(model, group, reader, layout, shard.filename,
+                                                      save_original_format=save_original_format,
+                                                      kernel_copy=kernel_copy)
+                    writer.put(writes, reserved=group.memory_bytes, resident=resident, nbytes=group.nbytes)
+                    del writes, resident
+                writer.close()
+            result.writer = writer.finish()
     finally:
         bar.close()
     index = {
@@ -273,14 +333,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
                    max_shard_size: int | str = "5GB", save_original_format: bool = True,
-                   progress: bool = True, release_pages: bool = True) -> OffloadedSaveResult:
+                   progress: bool = True, release_pages: str = "unmap", kernel_copy: bool = True) -> OffloadedSaveResult:
     """Saves a model dispatched on cpu and disk shard by shard, with bounded memory.
 
     The shards are planned from names, shapes and dtypes before anything is loaded, so that every group of
-    tensors one reverse weight conversion needs lands in one shard; each shard is then loaded from the
-    offload hooks, reverted, written with safetensors and released. The checkpoint is written into a
-    temporary directory next to ``save_directory`` and swapped into place only once every file was checked
-    against the plan, so a save that is killed leaves a previous checkpoint there intact.
+    tensors one reverse weight conversion needs lands in one shard, and so is every file's layout; each
+    conversion group is then loaded from the offload hooks, reverted and handed to a writer thread that puts
+    it at its offsets while the next group is prepared (bytes that lie in a file — the memory-mapped
+    checkpoint, the disk offload — are copied by the kernel), and each finished file is fsynced in the
+    background while the next is written. The checkpoint is written into a temporary directory next to
+    ``save_directory`` and swapped into place only once every file was fsynced and checked against the
+    plan, so a save that is killed or fails leaves a previous checkpoint there intact.
 
     Args:
         model: A transformers model dispatched with a ``device_map`` (cpu and/or disk); a model that is not
@@ -291,22 +354,30 @@ def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
             500·10^6 bytes). A conversion group larger than this gets a shard of its own.
         save_original_format: Revert transformers' weight conversions, as ``save_pretrained`` does.
         progress: Show a progress bar (bytes written).
-        release_pages: Hand the pages of memory-mapped cpu-resident weights back to the kernel once their
-            shard is written (a hint that never loses data; see :mod:`accelerate_memsafe.io.mapped_pages`).
+        release_pages: After each shard, ``"unmap"`` (default) drops the pages of memory-mapped cpu weights
+            that still hold their file's bytes from this process's RSS (``MADV_DONTNEED``: no I/O),
+            ``"pageout"`` has the kernel reclaim them (``MADV_PAGEOUT``, synchronous: costs wall time and a
+            re-read on the next use), ``"off"`` leaves them (see :mod:`accelerate_memsafe.io.mapped_pages`).
+        kernel_copy: Let the kernel copy bytes that lie in a file (``copy_file_range``; falls back to
+            writing from memory where the file systems do not support it). ``False`` writes every tensor
+            from memory.
 
     Returns:
         What was written (``result.details()`` for a report).
 
     Raises:
-        ConfigError: For a bad ``max_shard_size``.
+        ConfigError: For a bad ``max_shard_size`` or ``release_pages``.
         CheckpointError: If a tensor cannot be loaded, the conversions cannot be planned, or the written
             files do not match the plan; nothing is put in place then.
+        OSError: If writing or fsyncing a file fails (naming the file); nothing is put in place then.
 
     Example:
         >>> # model = AutoModelForCausalLM.from_pretrained(path, device_map=dm, offload_folder="offload")
         >>> # save_offloaded(model, "out", max_shard_size="500MB")
     """
     size = parse_size(max_shard_size, what="max_shard_size")
+    if release_pages not in RELEASE_MODES:
+        raise ConfigError(f"`release_pages={release_pages!r}`; choose one of {', '.join(map(repr, RELEASE_MODES))}.")
     final = Path(save_directory)
     if final.exists() and not final.is_dir():
         raise CheckpointError(f"`save_directory` {final} is a file; pass a directory.")
@@ -315,8 +386,8 @@ def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
     temp = atomic.temp_dir_for(final)
     atomic.begin(temp)
     try:
-        result = write_offloaded(model, temp, plan, save_original_format=save_original_format,
-                                 progress=progress, reader=reader, release_pages=release_pages)
+        result = write_offloaded(model, temp, plan, save_original_format=save_original_format, progress=progress,
+                                 reader=reader, release_pages=release_pages, kernel_copy=kernel_copy)
         atomic.finalize(temp, final, world_size=1, carry_over=True, extra={"writer": "offloaded_save"})
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

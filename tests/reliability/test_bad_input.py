@@ -246,6 +246,7 @@ def saved_state(tmp_path_factory):
     acc, model, opt = _accelerator_setup()
     _train_step(acc, model, opt, 0)
     acc.save_state(str(root / "ckpt"))
+    acc.wait_for_everyone()  # the files are copied in-process: wait for the background commit
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     return root / "ckpt"
@@ -480,18 +481,19 @@ def offloaded(tmp_path_factory):
     return model, root / "first", ref
 
 
-def _bad_save_file(kind: str):
-    from safetensors.torch import save_file as real
+def _bad_sync_file(kind: str):
+    """The shard writer's last step on a finished file, followed by a corruption or a full disk."""
+    from accelerate_memsafe.io.shard_writer import sync_file as real
 
-    def save_file(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
+    def sync_file(fd, path):
+        real(fd, path)
         if kind == "truncated":
-            corrupt.truncate(Path(filename))
+            corrupt.truncate(Path(path))
         elif kind == "header":
-            corrupt.inflate_header(Path(filename))
+            corrupt.inflate_header(Path(path))
         elif kind == "enospc":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(filename))
-    return save_file
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return sync_file
 
 
 OFFLOADED_CASES = [
@@ -503,15 +505,14 @@ OFFLOADED_CASES = [
 
 @pytest.mark.parametrize("case", OFFLOADED_CASES, ids=[c[0] for c in OFFLOADED_CASES])
 def test_save_offloaded_verification_keeps_the_previous_checkpoint(case, offloaded, tmp_path, monkeypatch):
-    import safetensors.torch
-
     from accelerate_memsafe import save_offloaded
+    from accelerate_memsafe.io import shard_writer
 
     model, first, ref = offloaded
     _, kind, exc_type, pattern = case
     d = _copy(first, tmp_path)
     before = tree_digest(tmp_path)
-    monkeypatch.setattr(safetensors.torch, "save_file", _bad_save_file(kind))
+    monkeypatch.setattr(shard_writer, "sync_file", _bad_sync_file(kind))
     with pytest.raises(exc_type, match=pattern):
         save_offloaded(model, d, max_shard_size=100_000, progress=False)
     monkeypatch.undo()

@@ -303,17 +303,22 @@ def test_a_meta_tensor_without_an_offload_hook_is_refused_before_writing(tmp_pat
 
 
 def test_a_file_that_does_not_match_the_plan_fails_the_save_and_is_not_put_in_place(tmp_path, monkeypatch):
-    import safetensors.torch
+    from safetensors.torch import load_file, save_file
+
+    from accelerate_memsafe.io import shard_writer
 
     reference = build_model("gte")
     reference.save_pretrained(tmp_path / "orig")
     model = load_offloaded(tmp_path / "orig", tmp_path / "offload", reference)
-    real = safetensors.torch.save_file
+    real = shard_writer.sync_file
 
-    def lossy_save_file(tensors, filename, metadata=None):  # a writer that silently drops a tensor
-        real(dict(list(tensors.items())[1:]) if len(tensors) > 1 else tensors, filename, metadata=metadata)
+    def lossy(fd, path):  # a writer that silently drops a tensor from every file of more than one
+        real(fd, path)
+        tensors = load_file(path)
+        if len(tensors) > 1:
+            save_file(dict(sorted(tensors.items())[1:]), path, metadata={"format": "pt"})
 
-    monkeypatch.setattr(safetensors.torch, "save_file", lossy_save_file)
+    monkeypatch.setattr(shard_writer, "sync_file", lossy)
     with pytest.raises(CheckpointError, match=r"(?s)does not match its plan.*`embeddings.LayerNorm.bias` is missing"):
         save_offloaded(model, tmp_path / "out", max_shard_size=20_000, progress=False)
     assert not (tmp_path / "out").exists()

@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _CHILD = textwrap.dedent(
     """
     import sys, time
-    import safetensors.torch
     from accelerate_memsafe import save_offloaded
+    from accelerate_memsafe.io import shard_writer
     from tests.unit.test_offloaded_save import build_model, load_offloaded
     from pathlib import Path
 
@@ -33,16 +33,16 @@ _CHILD = textwrap.dedent(
     reference = build_model("gte", seed=1)
     reference.save_pretrained(work / "orig")
     model = load_offloaded(work / "orig", work / "offload", reference)
-    real, written = safetensors.torch.save_file, []
+    real, written = shard_writer.sync_file, []
 
-    def slow_save_file(tensors, filename, metadata=None):
-        real(tensors, filename, metadata=metadata)
-        written.append(filename)
-        print("WROTE", filename, flush=True)
+    def slow_sync_file(fd, path):
+        real(fd, path)
+        written.append(path)
+        print("WROTE", path, flush=True)
         if len(written) == 2:
             time.sleep(120)  # killed here, with two shards of the new checkpoint on disk
 
-    safetensors.torch.save_file = slow_save_file
+    shard_writer.sync_file = slow_sync_file
     save_offloaded(model, target, max_shard_size=20_000, progress=False)
     print("FINISHED", flush=True)
     """

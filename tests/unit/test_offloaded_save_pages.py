@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from accelerate_memsafe.io.mapped_pages import file_backed_ranges, release_mapped_pages
+from accelerate_memsafe.io.mapped_pages import file_backed_ranges, file_extents, release_mapped_pages
 from accelerate_memsafe.memory.procfs import read_proc_memory
 
 MIB = 2**20
@@ -42,3 +42,21 @@ def test_ordinary_allocations_are_never_advised():
     assert release_mapped_pages([x]) == 0
     assert release_mapped_pages([x], file_backed_ranges()) == 0
     assert float(x.sum()) == 4 * MIB
+
+
+def test_file_extents_point_at_the_bytes_a_clean_mapped_tensor_holds(tmp_path):
+    t = _mapped(tmp_path, 4 * MIB)
+    view = t[1000:3000]  # a contiguous view inside the mapping
+    (tmp_path / "w").mkdir()
+    written = _mapped(tmp_path / "w", 4 * MIB)
+    written[7] = -1.0  # one page becomes a private copy: the file no longer holds the tensor's bytes
+    anonymous = torch.ones(1024)
+    extents = file_extents([t, view, written, anonymous, t[::2]])
+    assert [e is not None for e in extents] == [True, True, False, False, False]
+    whole, part = extents[0], extents[1]
+    assert (whole.offset, whole.nbytes) == (0, 4 * MIB)
+    assert (part.offset, part.nbytes) == (4000, 8000)
+    with open(part.path, "rb") as f:
+        f.seek(part.offset)
+        assert f.read(part.nbytes) == view.numpy().tobytes()
+    assert whole.part(4000, 8000) == part
