@@ -225,6 +225,30 @@ class MemSafeMixin:
         return result
 
 
+    # -- points where a background checkpoint commit is settled -------------------------------------
+    def _memsafe_settle(self) -> None:
+        """Ends the last ``save_state``'s background commit on every rank (raises its error on every rank)."""
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        plugin = self.memsafe_plugin
+        plugin.pipeline.background.settle(rank=dist.get_rank() if initialized else 0,
+                                          world_size=dist.get_world_size() if initialized else 1,
+                                          timeout_s=plugin.collective_timeout_s)
+
+    def wait_for_everyone(self) -> None:
+        """accelerate's barrier; first, the last ``save_state``'s checkpoint is committed (rank 0's background
+        commit ends, and its error is raised on every rank), so after it every rank sees the checkpoint in place."""
+        self._memsafe_settle()
+        super().wait_for_everyone()
+
+    def end_training(self) -> None:
+        """Commits the last ``save_state``'s checkpoint (raising its error on every rank), then accelerate's
+        ``end_training``."""
+        self._memsafe_settle()
+        super().end_training()
+
+
 def _select_plugin(plugins: list[Any] | None) -> MemSafePlugin | None:
     if plugins is None:
         return MemSafePlugin.from_env() if memsafe_variables() else None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .background import BackgroundWork, process_work
 from .errors import PipelineError
 from .memory.probe import MemoryProbe, ProbeResult
 from .memory.report import MemoryReport, StageRecord
@@ -63,6 +64,24 @@ class Stage:
 
     def __init__(self, options: MemSafePlugin) -> None:
         self.options = options
+
+    def skip_reason(self, ctx: HookContext) -> str | None:
+        """Why this stage does not apply to this hook call (``None``: it runs), asked before the stage is probed.
+
+        A stage skipped here costs nothing: no probe, no sampler thread, no tracker, and its record carries the
+        reason only (no time, no memory figure). The check must be cheap and change nothing: no collective, no
+        heavy import (peft, transformers internals), no I/O beyond a ``stat``. Where :meth:`run` issues
+        collectives, every rank must reach the same answer, so decide on the model, the configuration and what
+        earlier stages decided on every rank, never on rank-local data (files, memory); such checks, and any
+        check that needs a collective, stay in :meth:`run`, which may still return :func:`skipped`.
+
+        Example:
+            >>> class Offload(Stage):
+            ...     name, hooks = "offload", ("prepare",)
+            ...     def skip_reason(self, ctx):
+            ...         return None if ctx.optimizers else "no optimizer passed to prepare"
+        """
+        return None
 
     def run(self, ctx: HookContext) -> StageOutcome | None:
         raise NotImplementedError
@@ -174,6 +193,9 @@ class HookContext:
     skip_upstream: str | None = None
     result: Any = None
     scratch: dict[str, Any] = field(default_factory=dict)
+    background: BackgroundWork | None = None
+    """Where a stage leaves work that finishes after the hook returned (rank 0's checkpoint commit); set by
+    :meth:`Pipeline.run`, which settles it at the start of the next hook."""
 
 
 def validate_stage_names(
@@ -271,7 +293,8 @@ def _merge(first: ProbeResult, second: ProbeResult) -> ProbeResult:
 
 
 class Pipeline:
-    """Runs the stages of each hook point in order, each inside a :class:`MemoryProbe`.
+    """Runs the stages of each hook point in order, each that applies (:meth:`Stage.skip_reason`) inside a
+    :class:`MemoryProbe`.
 
     Args:
         stages: Stage instances per hook (from :func:`validate_stage_names`).
@@ -284,6 +307,7 @@ class Pipeline:
         self.report = report
         self.track_tensors = track_tensors
         self.origin = time.perf_counter()
+        self.background = process_work()  # one per process: any accelerator's next hook settles it
 
     def names(self, hook: str) -> tuple[str, ...]:
         """The stage names that run at ``hook``, in order."""
@@ -296,20 +320,32 @@ class Pipeline:
             with probe:
                 outcome = fn(ctx)
         except Exception as exc:
-            wall = probe.result.wall_s if probe.result else 0.0
-            self._failed.append(
-                StageRecord(
-                    hook=ctx.hook, stage=stage, rank=ctx.rank, status="failed",
-                    reason=f"{type(exc).__name__}: {exc}", wall_s=wall, start_s=start,
-                )
-            )
-            exc.add_note(f"[accelerate_memsafe] raised in stage `{stage}` at hook `{ctx.hook}` on rank {ctx.rank}")
+            self._fail(ctx, stage, exc, probe.result.wall_s if probe.result else 0.0, start)
             raise
         return probe.result, outcome or StageOutcome(), start
 
+    def _fail(self, ctx: HookContext, stage: str, exc: Exception, wall: float, start: float) -> None:
+        self._failed.append(
+            StageRecord(
+                hook=ctx.hook, stage=stage, rank=ctx.rank, status="failed",
+                reason=f"{type(exc).__name__}: {exc}", wall_s=wall, start_s=start,
+            )
+        )
+        exc.add_note(f"[accelerate_memsafe] raised in stage `{stage}` at hook `{ctx.hook}` on rank {ctx.rank}")
+
+    def _skip_reason(self, ctx: HookContext, stage: Stage) -> str | None:
+        start = time.perf_counter() - self.origin
+        try:
+            return stage.skip_reason(ctx)
+        except Exception as exc:
+            self._fail(ctx, stage.name, exc, 0.0, start)
+            raise
+
     def run(self, ctx: HookContext, upstream: Callable[[HookContext], Any]) -> Any:
-        """Runs the stages of ``ctx.hook``, then ``upstream`` (accelerate's own method), then the stages'
-        ``after`` parts in reverse order.
+        """Settles the work the previous hook left in the background (rank 0's checkpoint commit, see
+        :class:`~accelerate_memsafe.background.BackgroundWork`; its error is raised here, on every rank), then runs
+        the stages of ``ctx.hook``, then ``upstream`` (accelerate's own method), then the stages' ``after`` parts
+        in reverse order.
 
         In a multi-process run an error on one rank reaches every rank within seconds: the failing rank
         publishes it in the process group's store before re-raising it, and the other ranks, waiting in a
@@ -322,6 +358,7 @@ class Pipeline:
 
         Raises:
             PeerStageError: If another rank failed during this hook call.
+            CheckpointError: If the previous hook's background commit failed.
         """
 
         from .distributed.collectives import check_not_abandoned, hook_scope
@@ -331,6 +368,7 @@ class Pipeline:
             c.result = upstream(c)
 
         self._failed: list[StageRecord] = []
+        self._skips: list[StageRecord] = []
         done: list[list[Any]] = []
         upstream_entry: list[Any] | None = None
         timeout_s = getattr(ctx.options, "collective_timeout_s", None) or 600.0
@@ -339,10 +377,18 @@ class Pipeline:
             try:
                 if scope is not None:
                     check_not_abandoned()
+                # the previous hook's background commit ends before anything here can read or replace checkpoints
+                current = "background commit"
+                self.background.settle(rank=ctx.rank, world_size=ctx.world_size, timeout_s=timeout_s)
+                ctx.background = self.background
                 current = "preflight"
                 self._preflight(ctx)
                 for stage in self.stages.get(ctx.hook, ()):
                     current = stage.name
+                    reason = self._skip_reason(ctx, stage)
+                    if reason is not None:
+                        self._skips.append(self._skip_record(ctx, stage.name, reason))
+                        continue
                     result, outcome, start = self._probe(ctx, stage.run, stage.name)
                     done.append([stage.name, result, outcome, start, stage])
                 current = "pipeline"
@@ -371,7 +417,7 @@ class Pipeline:
                 raise
             finally:
                 entries = done + ([upstream_entry] if upstream_entry else [])
-                records = [self._make_record(ctx, *e[:4]) for e in entries] + self._failed
+                records = [self._make_record(ctx, *e[:4]) for e in entries] + self._failed + self._skips
                 for record in sorted(records, key=lambda r: r.start_s):
                     self.report.add(record)
         return ctx.result
@@ -413,6 +459,12 @@ class Pipeline:
                 "was changed. Free memory, use more nodes or fewer processes per node, a smaller `bucket_bytes`, or "
                 "disable the check with `MemSafePlugin(preflight_memory_check=False)`."
             )
+
+    def _skip_record(self, ctx: HookContext, name: str, reason: str) -> StageRecord:
+        """The record of a stage whose :meth:`Stage.skip_reason` said it does not apply: the reason only. No
+        probe ran, so it has no wall time, memory figure, timeline or time span (``segments`` is empty)."""
+        return StageRecord(hook=ctx.hook, stage=name, rank=ctx.rank, status="skipped", reason=reason, wall_s=0.0,
+                           start_s=time.perf_counter() - self.origin)
 
     def _make_record(
         self, ctx: HookContext, name: str, result: ProbeResult, outcome: StageOutcome, start: float

@@ -63,6 +63,12 @@ class MemSafePlugin:
     preflight_memory_check: bool = True
     """Before a stage runs, predict its peak memory and refuse to start work that cannot fit."""
 
+    async_checkpoint: bool = True
+    """Commit ``save_state``'s checkpoint in the background: ``save_state`` returns once every rank has written its
+    files; rank 0 fsyncs them, writes the completeness marker and swaps the directory into place in a thread, and
+    the next hook, ``wait_for_everyone()``, ``end_training()`` or :meth:`wait_for_checkpoint` waits for it (raising
+    its error on every rank). ``False``: all of it before ``save_state`` returns."""
+
     track_live_tensors: bool = True
     """Run the dispatch-level live-tensor tracker inside each stage (exact tensor peaks; small overhead)."""
 
@@ -104,6 +110,26 @@ class MemSafePlugin:
     def pipeline(self) -> Pipeline:
         """The validated pipeline (stage instances per hook point)."""
         return self._pipeline  # type: ignore[attr-defined]
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Waits until this process's last ``save_state`` checkpoint is committed (durable and in place): rank 0
+        waits for its background commit, other ranks return at once. No collective: it may be called on rank 0
+        alone (e.g. before uploading the checkpoint). To wait on every rank, call ``accelerator.wait_for_everyone()``.
+
+        Returns:
+            The committed checkpoint directory (rank 0), or ``None`` when nothing was pending or on other ranks.
+
+        Raises:
+            CheckpointError: If the commit failed (the previous checkpoint of that name is still in place). With
+                several processes the error is raised again, on every rank, at the next hook or
+                ``wait_for_everyone()``.
+
+        Example:
+            >>> MemSafePlugin().wait_for_checkpoint() is None
+            True
+        """
+        result = self.pipeline.background.wait()
+        return result.get("final") if isinstance(result, dict) else None
 
     def stage_names(self, hook: str) -> tuple[str, ...]:
         """The stages that run at ``hook`` (one of ``prepare``, ``load_state``, ``save_state``, ``save_model``)."""

@@ -1,13 +1,24 @@
-"""What the default plugin costs a training loop: ``prepare``, ``save_state`` and ``load_state`` walls with
-``accelerate.Accelerator`` (stock) and with ``accelerate_memsafe.Accelerator(plugins=[MemSafePlugin()])`` as a
-user writes it (the default: every stage, the live-tensor tracker and the 2 ms memory sampler on), and with
-the tracker off, same process type, same model, same data.
+"""What the default plugin costs a training loop: the walls of ``prepare``, ``save_state`` and ``load_state``
+with stock ``accelerate.Accelerator`` and with ``accelerate_memsafe.Accelerator(plugins=[MemSafePlugin()])`` as a
+user writes it (the default: every stage, the live-tensor tracker and the 2 ms memory sampler on, the checkpoint
+committed in the background), on one process and on 2 gloo ranks with FSDP2, same model, same data.
 
-Each path runs in a fresh process: a Llama of ``--size`` (fp32), AdamW, one training step, ``prepare``, then
-``--repeats`` rounds of ``save_state`` (each into a new directory) and ``load_state``; the best round is
-reported. Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to stock.
+Each (setting, path) runs ``--launches`` times in fresh processes: a Llama of ``--size`` (fp32, the same seed on
+every rank), AdamW, ``prepare``, one training step, then ``--repeats`` rounds of ``save_state`` into the same
+directory (the first creates it, the others replace it) and ``load_state`` of it. Each figure is the best over
+launches and rounds of the slowest rank's wall (every hook starts after a barrier). What the training loop waits
+for is the ``save_state`` call; with the background commit (``async_checkpoint=True``), the time from its return
+until the checkpoint is durable and in place is measured separately (``commit_tail_s``, the training loop does
+not wait for it) and waited for before ``load_state`` is timed, so no path's commit is counted in its load.
 
-    python benchmarks/overhead.py --size 100m --markdown docs/benchmarks.md
+Stock on 2 ranks is ``accelerate.Accelerator(cpu=True, fsdp_plugin=...)`` with its state switched to FSDP the
+way the plugin does it on a machine without an accelerator (``_compat.promote_state_to_fsdp``); nothing else of
+the plugin runs. Optional extra paths (``--paths``): ``no_tracker`` (``track_live_tensors=False``) and
+``sync_commit`` (``async_checkpoint=False``: fsync, marker and swap inside ``save_state``).
+
+Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to stock and the wall added per hook.
+
+    python benchmarks/overhead.py --size 100m --launches 3 --repeats 3 --markdown /tmp/overhead.md
 """
 
 from __future__ import annotations
@@ -16,81 +27,159 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
-PATHS = ("stock", "default", "no_tracker")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from prepare import spawn  # the launcher of the sibling benchmark
+
+HOOKS = ("prepare_s", "save_state_s", "load_state_s")
+PATHS = ("stock", "default", "no_tracker", "sync_commit")
+SETTINGS = {"1proc": 1, "fsdp2_2ranks": 2}
 
 
-def _run(path: str, size: str, repeats: int) -> dict:
+def _accelerator(path: str, world: int):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if world > 1 else None
+    if path == "stock":
+        import accelerate
+
+        if fsdp_plugin is None:
+            return accelerate.Accelerator()
+        from accelerate_memsafe import _compat
+
+        acc = accelerate.Accelerator(cpu=True, fsdp_plugin=fsdp_plugin)
+        _compat.promote_state_to_fsdp(fsdp_plugin)  # what the plugin does on CPU; stock would run DDP
+        return acc
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    options = {"no_tracker": {"track_live_tensors": False}, "sync_commit": {"async_checkpoint": False}}.get(path, {})
+    return Accelerator(plugins=[MemSafePlugin(**options)], fsdp_plugin=fsdp_plugin)
+
+
+def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -> dict:
     import torch
+    import torch.distributed as dist
     from transformers import LlamaForCausalLM
 
     from accelerate_memsafe.models import llama_config
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    if path == "stock":
-        from accelerate import Accelerator
+    acc = _accelerator(path, world)
+    sync = acc.wait_for_everyone
 
-        acc = Accelerator()
-    else:
-        from accelerate_memsafe import Accelerator, MemSafePlugin
+    def timed(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        return time.perf_counter() - t0, out
 
-        acc = Accelerator(plugins=[MemSafePlugin() if path == "default" else MemSafePlugin(track_live_tensors=False)])
     model = LlamaForCausalLM(llama_config(size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    t0 = time.perf_counter()
-    model, opt = acc.prepare(model, opt)
-    prepare_s = time.perf_counter() - t0
-    ids = torch.randint(0, model.config.vocab_size, (2, 32))
-    model(input_ids=ids, labels=ids).loss.backward()
+    prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt))
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()
-    saves, loads = [], []
-    with tempfile.TemporaryDirectory() as tmp:
-        for k in range(repeats):
-            target = os.path.join(tmp, f"ckpt{k}")
-            t0 = time.perf_counter()
-            acc.save_state(target)
-            saves.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            acc.load_state(target)
-            loads.append(time.perf_counter() - t0)
-    return {"path": path, "prepare_s": prepare_s, "save_state_s": min(saves), "load_state_s": min(loads)}
+    opt.zero_grad()
+    wait = getattr(getattr(acc, "memsafe_plugin", None), "wait_for_checkpoint", lambda: None)
+    target = os.path.join(work, "ckpt")
+    saves, tails, loads = [], [], []
+    for _ in range(repeats):
+        save_s, _ = timed(lambda: acc.save_state(target))
+        t0 = time.perf_counter()
+        wait()  # the background commit (rank 0), outside every timed hook
+        tails.append(time.perf_counter() - t0)
+        load_s, _ = timed(lambda: acc.load_state(target))
+        saves.append(save_s)
+        loads.append(load_s)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return {"rank": rank, "prepare_s": prepare_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads}
+
+
+def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, queue) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    if world == 1:
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(key)
+    try:
+        queue.put((rank, "ok", _run(rank, world, path, size, repeats, work)))
+    except BaseException as exc:
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _launch(world: int, path: str, size: str, repeats: int) -> dict:
+    """One launch: per hook, the slowest rank's wall in each round, then the best round."""
+    with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
+        ranks = spawn(_worker, world, (world, path, size, repeats, work), 1800, f"{path}/{world}")
+    out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
+    for key in ("save_state_s", "commit_tail_s", "load_state_s"):
+        out[key] = min(max(r[key][i] for r in ranks) for i in range(repeats))
+    return out
+
+
+def measure(size: str, paths: list[str], settings: list[str], launches: int, repeats: int, log=print) -> dict:
+    runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
+    for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
+        for setting in settings:
+            for path in paths:
+                got = _launch(SETTINGS[setting], path, size, repeats)
+                best = runs[setting][path]
+                for key, value in got.items():
+                    best[key] = min(best.get(key, float("inf")), value)
+                log(f"launch {i + 1}/{launches} {setting} {path}: " + ", ".join(f"{k}={v:.3f}" for k, v in got.items()))
+    ratios = {s: {p: {h: runs[s][p][h] / runs[s]["stock"][h] for h in HOOKS} for p in paths if p != "stock"}
+              for s in settings}
+    added = {s: {p: {h: runs[s][p][h] - runs[s]["stock"][h] for h in HOOKS} for p in paths if p != "stock"}
+             for s in settings}
+    return {"benchmark": "overhead", "size": size, "launches": launches, "repeats": repeats, "runs": runs,
+            "ratios": ratios, "added_s": added,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"\nOverhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW, best "
+             f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}):\n",
+             "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ÷ stock "
+             "| save_state ÷ stock | load_state ÷ stock | added per hook (s): prepare / save / load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, by_path in doc["runs"].items():
+        for path, r in by_path.items():
+            q = doc["ratios"][setting].get(path)
+            a = doc["added_s"][setting].get(path)
+            ratio = " | ".join(f"{q[h]:.2f}" for h in HOOKS) if q else "1 | 1 | 1"
+            add = " / ".join(f"{a[h]:+.3f}" for h in HOOKS) if a else "-"
+            tail = f"{r['commit_tail_s']:.3f}" if path != "stock" else "-"
+            lines.append(f"| {setting} | {path} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} "
+                         f"| {tail} | {ratio} | {add} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="100m")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--markdown", default=None)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--launches", type=int, default=3, help="fresh launches per (setting, path); the best counts")
+    parser.add_argument("--repeats", type=int, default=3, help="save_state / load_state rounds per launch")
+    parser.add_argument("--paths", default="stock,default", help=f"comma-separated, from {', '.join(PATHS)}")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
+    parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args(argv)
-    if args.child:
-        print(json.dumps(_run(args.child, args.size, args.repeats)))
-        return {}
-    runs = {}
-    for path in PATHS:
-        out = subprocess.run([sys.executable, __file__, "--size", args.size, "--repeats", str(args.repeats), "--child", path],
-                             capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        runs[path] = json.loads(out.stdout.strip().splitlines()[-1])
-    doc = {"benchmark": "overhead", "size": args.size, "repeats": args.repeats, "runs": runs,
-           "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           "ratios": {p: {k: runs[p][k] / runs["stock"][k] for k in ("prepare_s", "save_state_s", "load_state_s")}
-                      for p in PATHS if p != "stock"}}
+    paths = [p for p in args.paths.split(",") if p]
+    settings = [s for s in args.settings.split(",") if s]
+    unknown = [p for p in paths if p not in PATHS] + [s for s in settings if s not in SETTINGS]
+    if unknown or "stock" not in paths:
+        parser.error(f"unknown path/setting {unknown}, or no `stock` path to compare with")
+    doc = measure(args.size, paths, settings, args.launches, args.repeats,
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(json.dumps(doc))
     if args.markdown:
-        lines = [f"\noverhead of the default plugin, Llama `{args.size}` fp32, 1 process, best of {args.repeats} "
-                 f"({doc['timestamp']}):\n", "| path | prepare (s) | save_state (s) | load_state (s) | prepare ÷ stock | "
-                 "save_state ÷ stock | load_state ÷ stock |", "|---|---|---|---|---|---|---|"]
-        for p in PATHS:
-            r, q = runs[p], doc["ratios"].get(p, {"prepare_s": 1, "save_state_s": 1, "load_state_s": 1})
-            lines.append(f"| {p} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} | "
-                         f"{q['prepare_s']:.2f} | {q['save_state_s']:.2f} | {q['load_state_s']:.2f} |")
         with open(args.markdown, "a", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+            f.write(markdown(doc))
     return doc
 
 

@@ -50,6 +50,38 @@ def read_proc_memory() -> ProcMemory | None:
     return ProcMemory(rss=values["VmRSS"], anon=values.get("RssAnon", values["VmRSS"]), hwm=values.get("VmHWM", 0))
 
 
+_STATM: dict[str, int] = {}  # the open /proc/self/statm of this process (by pid: a forked child reopens it)
+
+
+def read_rss_anon() -> tuple[int, int] | None:
+    """``(VmRSS, RssAnon)`` in bytes from ``/proc/self/statm`` (resident and shared pages: RssAnon is their
+    difference), with one ``pread`` of a file kept open: about 2 µs against 30 µs for :func:`read_proc_memory`,
+    which is what a 2 ms sampling thread pays on every sample.
+
+    Returns:
+        The two counters, or ``None`` where ``/proc`` is not available.
+
+    Example:
+        >>> got = read_rss_anon()
+        >>> got is None or got[0] >= got[1] > 0
+        True
+    """
+    pid = str(os.getpid())
+    try:
+        fd = _STATM.get(pid)
+        if fd is None:
+            _STATM.clear()
+            fd = _STATM[pid] = os.open("/proc/self/statm", os.O_RDONLY)
+        fields = os.pread(fd, 256, 0).split()
+        resident, shared = int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident * _PAGE, (resident - shared) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def reset_peak_rss() -> bool:
     """Resets VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``).
 

@@ -69,6 +69,12 @@ class StageRecord:
         parts = self.segments or [[self.start_s, self.wall_s]]
         return [(float(start), float(start) + float(wall)) for start, wall in parts]
 
+    @property
+    def measured(self) -> bool:
+        """Whether a probe measured this record: ``False`` for a stage skipped before it ran (its ``wall_s`` of 0
+        and its empty figures are not measurements; ``reason`` says why it did not run)."""
+        return self.status != "skipped" or bool(self.segments) or self.wall_s > 0
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StageRecord:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
@@ -144,7 +150,8 @@ class MemoryReport:
         for r in self.records:
             note = r.reason or ", ".join(f"{k}={v}" for k, v in r.details.items() if not isinstance(v, (dict, list)))
             lines.append(
-                f"| {r.hook} | {r.stage} | {r.rank} | {r.status} | {r.wall_s:.3f} | {_mib(r.cpu_rss_peak_bytes)} "
+                f"| {r.hook} | {r.stage} | {r.rank} | {r.status} | {f'{r.wall_s:.3f}' if r.measured else '-'} "
+                f"| {_mib(r.cpu_rss_peak_bytes)} "
                 f"| {_mib(r.cpu_rss_delta_bytes)} | {_mib(r.cpu_anon_peak_bytes)} | {_mib(r.cpu_anon_delta_bytes)} "
                 f"| {_mib(r.device_peak_bytes)} | {_mib(r.live_tensor_peak_bytes)} | {note} |"
             )

@@ -71,11 +71,7 @@ class LiveTensorTracker(TorchDispatchMode):
         for k in dead:
             self._live_bytes -= self._storages.pop(k)[1]
 
-    def _track(self, func_name: str, t: torch.Tensor) -> None:
-        found = _storage_key_and_bytes(t)
-        if found is None:
-            return
-        key, nbytes = found
+    def _track(self, func: Any, t: torch.Tensor, key: int, nbytes: int) -> None:
         with self._lock:
             if key in self._storages and not self._storages[key][0].expired():
                 return
@@ -88,19 +84,28 @@ class LiveTensorTracker(TorchDispatchMode):
             self.peak_bytes = max(self.peak_bytes, self._live_bytes)
             self.allocations += 1
         if self._on_alloc is not None:
-            self._on_alloc(func_name, t)
+            self._on_alloc(str(func), t)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs, _ = tree_flatten((args, kwargs))
-        known = {
-            found[0] for x in inputs if isinstance(x, torch.Tensor) and (found := _storage_key_and_bytes(x))
-        }
+        if getattr(func, "is_view", False):  # a view's output lies in its input's storage: nothing new
+            return func(*args, **kwargs)
+        # the inputs' storages are read before the call: an in-place op (`set_`) may point an input at a new one
+        inputs = _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args)
+        known = {found[0] for x in inputs if (found := _storage_key_and_bytes(x))}
         out = func(*args, **kwargs)
-        outputs, _ = tree_flatten(out)
-        for o in outputs:
-            if isinstance(o, torch.Tensor):
-                found = _storage_key_and_bytes(o)
-                if found is not None and found[0] not in known:
-                    self._track(str(func), o)
+        for o in _tensors(out):
+            found = _storage_key_and_bytes(o)
+            if found is not None and found[0] not in known:
+                self._track(func, o, *found)
         return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or outputs (one level of tuples/lists/dicts is the common case)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
+    if all(not isinstance(x, (tuple, list, dict)) for x in items):
+        return [x for x in items if isinstance(x, torch.Tensor)]
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..distributed.buffers import init_non_persistent_buffers
 from ..distributed.collectives import Collectives
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, Stage, StageOutcome, ran
 
 
 class BufferInitStage(Stage):
@@ -19,11 +19,14 @@ class BufferInitStage(Stage):
     requires = ("shard",)
     summary = "recompute/broadcast non-persistent buffers; verify finite + identical"
 
-    def run(self, ctx: HookContext) -> StageOutcome:
+    def skip_reason(self, ctx: HookContext) -> str | None:
         if not ctx.is_fsdp2 or ctx.model is None:
-            return skipped("not an FSDP2 run with a model")
+            return "not an FSDP2 run with a model"
         if ctx.world_size < 2:
-            return skipped("single process: nothing to synchronise")
+            return "single process: nothing to synchronise"
+        return None
+
+    def run(self, ctx: HookContext) -> StageOutcome:
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         stats = init_non_persistent_buffers(ctx.model, coll=coll, device=ctx.device)
         return ran(**stats.details())

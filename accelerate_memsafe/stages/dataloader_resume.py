@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import weakref
 
+from torch.utils.data import DataLoader
+
 from ..io import atomic, resume
 from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
 
@@ -56,23 +58,28 @@ class DataLoaderResumeStage(Stage):
     def _alive(self) -> list:
         return [dl for ref in self._dataloaders if (dl := ref()) is not None]
 
-    def run(self, ctx: HookContext) -> StageOutcome:
+    def skip_reason(self, ctx: HookContext) -> str | None:
         if ctx.hook == "prepare":
-            return ran()
+            return None if any(isinstance(a, DataLoader) for a in ctx.args) else "no dataloader passed to prepare"
         if ctx.directory is None:
-            return skipped("no checkpoint directory")
-        if ctx.hook == "load_state":
-            self._pending.clear()
-            path = resume.state_file(ctx.directory, ctx.rank)
-            saved = atomic.saved_world_size(ctx.directory)
-            if saved is not None and saved != ctx.world_size:
-                return skipped(f"the checkpoint was written by {saved} process(es), this run has {ctx.world_size}: "
-                               "each rank's epoch-start generator belongs to the old split of the data")
-            if not path.exists():
-                return skipped(f"the checkpoint has no {path.name} (written without the plugin)")
+            return "no checkpoint directory"
+        if ctx.hook == "save_state" and not self._alive():
+            return "no prepared dataloader"
+        return None
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        if ctx.hook != "load_state":
             return ran()
-        if not self._alive():
-            return skipped("no prepared dataloader")
+        # what the checkpoint holds is read here, not in skip_reason: a load drops the states still pending
+        # from an earlier one whether or not this checkpoint has states of its own
+        self._pending.clear()
+        path = resume.state_file(ctx.directory, ctx.rank)
+        saved = atomic.saved_world_size(ctx.directory)
+        if saved is not None and saved != ctx.world_size:
+            return skipped(f"the checkpoint was written by {saved} process(es), this run has {ctx.world_size}: "
+                           "each rank's epoch-start generator belongs to the old split of the data")
+        if not path.exists():
+            return skipped(f"the checkpoint has no {path.name} (written without the plugin)")
         return ran()
 
     def after(self, ctx: HookContext) -> StageOutcome:

@@ -21,7 +21,7 @@ from ..distributed.meta import (
     parallelism_blocks_meta_placement,
 )
 from ..distributed.source import Rank0Source
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, Stage, StageOutcome, ran
 
 #: ``ctx.scratch`` key of rank 0's weight source (``Rank0Source``); ``None`` on other ranks.
 SOURCE_KEY = "rank0_source"
@@ -40,16 +40,16 @@ class MetaPlacementStage(Stage):
     completed_by = ("shard", "rank0_distribute")
     summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
 
-    def run(self, ctx: HookContext) -> StageOutcome:
+    def skip_reason(self, ctx: HookContext) -> str | None:
         reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
                                            parallelism_config=ctx.scratch.get("parallelism_config"))
         if reason:
-            return skipped(reason)
+            return reason
         if ctx.world_size < 2:
-            return skipped("single process: nothing to distribute")
-        why = parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
-        if why:
-            return skipped(why)
+            return "single process: nothing to distribute"
+        return parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
+
+    def run(self, ctx: HookContext) -> StageOutcome:
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0

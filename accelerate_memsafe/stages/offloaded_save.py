@@ -11,7 +11,7 @@ from ..io.offload_reader import OffloadedTensorReader, is_offloaded
 from ..io.offloaded_save import save_offloaded, write_offloaded
 from ..io.shard_plan import plan_offloaded_save, saveable_state_dict
 from ..errors import PipelineError
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, Stage, StageOutcome, ran
 from ..sizes import parse_size
 
 
@@ -42,18 +42,24 @@ class OffloadedSaveStage(Stage):
                 "directory that offloaded_save writes into). HINT: move `atomic_checkpoint` before `offloaded_save`."
             ])
 
-    def run(self, ctx: HookContext) -> StageOutcome:
+    def skip_reason(self, ctx: HookContext) -> str | None:
         if ctx.model is None or ctx.directory is None:
-            return skipped("no model or directory passed to save_model")
+            return "no model or directory passed to save_model"
         from accelerate.utils import extract_model_from_parallel
 
         model = extract_model_from_parallel(ctx.model)
         if not is_offloaded(model):
-            return skipped("model is not offloaded")
+            return "model is not offloaded"
         if ctx.kwargs.get("safe_serialization", True) is False:
-            return skipped("safe_serialization=False was requested; accelerate writes .bin files")
+            return "safe_serialization=False was requested; accelerate writes .bin files"
         if getattr(model, "hf_quantizer", None) is not None or getattr(model, "_hf_peft_config_loaded", False):
-            return skipped("quantized or PEFT models are saved by accelerate/transformers")
+            return "quantized or PEFT models are saved by accelerate/transformers"
+        return None
+
+    def run(self, ctx: HookContext) -> StageOutcome:
+        from accelerate.utils import extract_model_from_parallel
+
+        model = extract_model_from_parallel(ctx.model)
         size = parse_size(ctx.kwargs.get("max_shard_size", self.options.max_shard_size), what="max_shard_size")
         ctx.skip_upstream = "offloaded_save wrote the checkpoint shard by shard"
         if ctx.rank != 0:

@@ -32,16 +32,19 @@ class OptimizerCpuReloadStage(Stage):
     hooks = ("load_state",)
     summary = "read optimizer state in place / straight to CPU, drop the loaded dicts, reclaim device memory"
 
-    def run(self, ctx: HookContext) -> StageOutcome:
+    def skip_reason(self, ctx: HookContext) -> str | None:
         if ctx.directory is None:
-            return skipped("no input directory given")
+            return "no input directory given"
         if not ctx.optimizers:
-            return skipped("no prepared optimizer")
+            return "no prepared optimizer"
         dtype = _distributed_type()
         if "DEEPSPEED" in dtype or "MEGATRON" in dtype:
-            return skipped(f"{dtype} saves the optimizer itself")
+            return f"{dtype} saves the optimizer itself"
         if "FSDP" in dtype and not ctx.is_fsdp2:
-            return skipped("FSDP1 optimizer state is flattened; accelerate loads it")
+            return "FSDP1 optimizer state is flattened; accelerate loads it"
+        return None
+
+    def run(self, ctx: HookContext) -> StageOutcome:
         plans = []
         for i, optimizer in enumerate(ctx.optimizers):
             source = optimizer_source(ctx.directory, i)

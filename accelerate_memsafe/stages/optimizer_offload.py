@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.optimizer_offload import OptimizerOffload, state_bytes
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, Stage, StageOutcome, ran
 
 
 class OptimizerOffloadStage(Stage):
@@ -16,11 +16,14 @@ class OptimizerOffloadStage(Stage):
     hooks = ("prepare",)
     summary = "optimizer state on CPU between steps (optimizer_offload=True)"
 
-    def run(self, ctx: HookContext) -> StageOutcome:
+    def skip_reason(self, ctx: HookContext) -> str | None:
         if not ctx.options.optimizer_offload:
-            return skipped("`optimizer_offload` is off")
+            return "`optimizer_offload` is off"
         if not ctx.optimizers:
-            return skipped("no optimizer passed to prepare")
+            return "no optimizer passed to prepare"
+        return None
+
+    def run(self, ctx: HookContext) -> StageOutcome:
         return ran()
 
     def after(self, ctx: HookContext) -> StageOutcome:

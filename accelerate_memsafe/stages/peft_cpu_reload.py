@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..integrations.peft import copy_file_into, empty_device_caches, find_peft_model, plan_state_dict_file
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, Stage, StageOutcome, ran
 
 
 class PeftCpuReloadStage(Stage):
@@ -37,19 +37,22 @@ class PeftCpuReloadStage(Stage):
     hooks = ("load_state",)
     summary = "reload PEFT models in place from model.safetensors, one tensor at a time, CPU-first"
 
-    def run(self, ctx: HookContext) -> StageOutcome:
-        peft_models = [m for m in ctx.models if find_peft_model(m) is not None]
-        if not peft_models:
-            return skipped("no PEFT model")
+    def skip_reason(self, ctx: HookContext) -> str | None:
+        # the stage issues no collective: a rank-local check (the file) may decide on its own
+        if not any(find_peft_model(m) is not None for m in ctx.models):  # imports nothing (no peft import)
+            return "no PEFT model"
         if ctx.is_fsdp2 or ctx.fsdp_plugin is not None:
-            return skipped("FSDP: accelerate's load_fsdp_model reads the sharded checkpoint in place")
+            return "FSDP: accelerate's load_fsdp_model reads the sharded checkpoint in place"
         if len(ctx.models) != 1:
-            return skipped(f"{len(ctx.models)} prepared models: accelerate loads them (one PEFT model is handled)")
+            return f"{len(ctx.models)} prepared models: accelerate loads them (one PEFT model is handled)"
         if ctx.directory is None:
-            return skipped("no input_dir given: accelerate resolves the latest automatic checkpoint itself")
+            return "no input_dir given: accelerate resolves the latest automatic checkpoint itself"
+        if not (Path(ctx.directory).expanduser() / "model.safetensors").is_file():
+            return f"no model.safetensors in {ctx.directory} (pickle checkpoints are loaded by accelerate)"
+        return None
+
+    def run(self, ctx: HookContext) -> StageOutcome:
         path = Path(ctx.directory).expanduser() / "model.safetensors"
-        if not path.is_file():
-            return skipped(f"no {path.name} in {ctx.directory} (pickle checkpoints are loaded by accelerate)")
         model = ctx.models[0]
         # Validate now (before anything changes); copy once accelerate has loaded the rest.
         plan = plan_state_dict_file(model, path, check_memory=self.options.preflight_memory_check)

@@ -8,7 +8,7 @@ from ..distributed.collectives import Collectives
 from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless
 from ..distributed.scatter import distribute_from_rank0
 from ..distributed.topology import find_nodes
-from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran
 from .meta_placement import PLACED_KEY, SOURCE_KEY
 
 
@@ -44,9 +44,12 @@ class Rank0DistributeStage(Stage):
             what=f"its shard of {total / 2**30:.2f} GiB of weights plus the scatter buckets",
         )
 
+    def skip_reason(self, ctx: HookContext) -> str | None:
+        if not ctx.scratch.get(PLACED_KEY):  # set on every rank or on none
+            return "`meta_placement` did not move the weights to meta: they are already in place"
+        return None
+
     def run(self, ctx: HookContext) -> StageOutcome:
-        if not ctx.scratch.get(PLACED_KEY):
-            return skipped("`meta_placement` did not move the weights to meta: they are already in place")
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
-from ..pipeline import HookContext, Stage, StageOutcome, ran, skipped
+from ..pipeline import HookContext, Stage, StageOutcome, ran
 
 
 class ShardStage(Stage):
@@ -17,11 +17,11 @@ class ShardStage(Stage):
     hooks = ("prepare",)
     summary = "apply fully_shard with accelerate's policy; remap optimizers"
 
+    def skip_reason(self, ctx: HookContext) -> str | None:
+        return fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
+                                         parallelism_config=ctx.scratch.get("parallelism_config"))
+
     def run(self, ctx: HookContext) -> StageOutcome:
-        reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
-                                           parallelism_config=ctx.scratch.get("parallelism_config"))
-        if reason:
-            return skipped(reason)
         tp = getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1
         tp_details = {}
         if tp > 1:

@@ -121,7 +121,9 @@ def _train(cell: Cell, *, stock: bool, save: str | None = None, load: str | None
             if step > k:
                 losses.append(loss)
             if step == k and save:
-                acc.save_state(save)
+                acc.save_state(save)  # the training goes on while rank 0 commits the checkpoint
+    # the checkpoint is read in-process next (loads, file digests): wait for its commit, as the docs ask
+    acc.wait_for_everyone()
     del acc, model, opt, dl
     _reset()
     return losses

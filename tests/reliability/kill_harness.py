@@ -4,17 +4,24 @@ no partial checkpoint may ever be loaded.
 Two savers are exercised, alternately:
 
 - ``save_state``: ``accelerate_memsafe.Accelerator.save_state`` with the default pipeline (atomic checkpoint
-  stage) on a tiny Llama with an AdamW state, one process;
+  stage, committed in the background: ``save_state`` returns once the files are written, rank 0's commit
+  thread fsyncs, marks and swaps while the child trains one more step, then waits for it) on a tiny Llama
+  with an AdamW state, one process;
 - ``save_offloaded``: ``accelerate_memsafe.save_offloaded`` of a tiny Llama dispatched on cpu + disk.
 
 Each point runs one child process that saves version ``v`` of the weights into a directory that already
-holds an older complete version. The child counts Python call events (``sys.setprofile``, every thread)
-from the moment the save starts and sends itself ``SIGKILL`` at event ``k``, ``k`` drawn uniformly from the
-number of events a full save takes (measured first, per saver; every third point is drawn from the commit
-phase only, alternately from its start (fsync, completeness marker) and from the swap into place on): the
-kill points are spread over the whole save,
-from the first file written to the final rename, and a point is reproducible from the seed. After
-each kill the parent checks:
+holds an older complete version. The child counts Python call events (``sys.setprofile`` and
+``threading.setprofile``: every thread, the background commit's included) from the moment the save starts
+and sends itself ``SIGKILL`` at event ``k``, ``k`` drawn uniformly from the number of events a full save
+takes (measured first, per saver). Every third point lands in the commit phase only, alternately anywhere
+in it (fsync, completeness marker) and from the swap into place on: for ``save_state`` that phase runs in
+the background thread, so ``k`` counts the events of that thread alone (the kill lands there, whatever the
+interleaving with the main thread, which is training meanwhile); for ``save_offloaded`` it is drawn from the
+events of the whole save from its commit on. The kill points are spread over the whole save, from the first
+file written to the final rename, and a point is reproducible from the seed. Each child writes, just before
+it kills itself, in which phase it was (``save``: before the commit, ``background``: while the commit
+thread works, ``commit``: in a commit on the main thread, ``after``: once committed). After each kill the
+parent checks:
 
 1. the checkpoint directory passes :func:`accelerate_memsafe.io.atomic.check_loadable` and loads (with
    the plugin's ``load_state`` / with ``from_pretrained``) bitwise-equal to the last version whose save
@@ -28,7 +35,7 @@ A point where either check fails counts as a lost checkpoint. Run the full harne
     python -m tests.reliability.kill_harness --points 24
 
 It prints one JSON line (points tried, kills, checkpoints lost, which version was in place after each
-kill) and exits non-zero if a checkpoint was lost. ``tests/reliability/test_kill_harness.py`` runs a few
+kill, the phases the kills landed in) and exits non-zero if a checkpoint was lost. ``tests/reliability/test_kill_harness.py`` runs a few
 points in CI.
 """
 
@@ -52,9 +59,10 @@ MODES = ("save_state", "save_offloaded")
 
 
 # ---------------------------------------------------------------------------------------------------
-# Child: one save, killed at event `kill_at` (0: never; print the number of events instead)
+# Child: one save, killed at event `kill_at` (0: never; print the number of events instead; "bgN": at the
+# N-th event of the background commit thread)
 # ---------------------------------------------------------------------------------------------------
-def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
+def _child(mode: str, work: Path, version: int, kill_at: str) -> None:
     import torch
 
     warnings.simplefilter("ignore")
@@ -79,6 +87,11 @@ def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
 
         def save() -> None:
             acc.save_state(str(target))
+            # the training loop goes on while rank 0 commits in the background, then waits for the commit
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+            acc.wait_for_everyone()
     else:
         from transformers import AutoModelForCausalLM
 
@@ -99,23 +112,37 @@ def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
 
     if not ref_path.exists():
         torch.save(ref, ref_path)  # written before the kill window, so always complete
-    count = [0]
-    finalize_at = [0]
-    swap_at = [0]
+    from accelerate_memsafe.background import THREAD_NAME
+
+    background = kill_at.startswith("bg")
+    kill_at_event = int(kill_at.removeprefix("bg"))
+    count = {"all": 0, "bg": 0}
+    marks = {"finalize_at": 0, "swap_at": 0, "bg_swap_at": 0, "finalize_in_background": False}
+    phase = {"commit": "save"}
     lock = threading.Lock()
+    phase_file = work / mode / "kill_phase.json"
 
     def hook(frame, event, arg):
-        if event in ("call", "c_call"):
-            with lock:
-                count[0] += 1
-                if count[0] == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if event == "call" and frame.f_code.co_filename.endswith("atomic.py"):
-                    if not finalize_at[0] and frame.f_code.co_name == "finalize":
-                        finalize_at[0] = count[0]
-                    if not swap_at[0] and frame.f_code.co_name == "_exchange":
-                        swap_at[0] = count[0]
+        in_bg = threading.current_thread().name == THREAD_NAME
+        code = frame.f_code
+        if event == "return" and code.co_name == "finalize" and code.co_filename.endswith("atomic.py"):
+            phase["commit"] = "after"
+        if event not in ("call", "c_call"):
+            return
+        with lock:
+            count["all"] += 1
+            count["bg"] += in_bg
+            if event == "call" and code.co_filename.endswith("atomic.py"):
+                if not marks["finalize_at"] and code.co_name == "finalize":
+                    marks["finalize_at"], marks["finalize_in_background"] = count["all"], in_bg
+                    phase["commit"] = "background" if in_bg else "commit"
+                if not marks["swap_at"] and code.co_name == "_exchange":
+                    marks["swap_at"], marks["bg_swap_at"] = count["all"], count["bg"]
+            if (count["bg"] if background else count["all"]) == kill_at_event and (in_bg or not background):
+                phase_file.write_text(json.dumps({"phase": phase["commit"], "thread": threading.current_thread().name}))
+                os.kill(os.getpid(), signal.SIGKILL)
 
+    phase_file.unlink(missing_ok=True)
     threading.setprofile(hook)
     sys.setprofile(hook)
     try:
@@ -123,10 +150,10 @@ def _child(mode: str, work: Path, version: int, kill_at: int) -> None:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
-    print(json.dumps({"events": count[0], "finalize_at": finalize_at[0], "swap_at": swap_at[0], "saved": version}), flush=True)
+    print(json.dumps({"events": count["all"], "bg_events": count["bg"], **marks, "saved": version}), flush=True)
 
 
-def _run_child(mode: str, work: Path, version: int, kill_at: int, timeout: float = 300) -> tuple[int, dict | None, str]:
+def _run_child(mode: str, work: Path, version: int, kill_at: int | str, timeout: float = 300) -> tuple[int, dict | None, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     for key in [k for k in env if k.startswith("ACCELERATE_MEMSAFE_")]:
@@ -234,7 +261,9 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
     """Runs the harness: ``points`` kills, alternating between the savers.
 
     Returns:
-        ``{"points": ..., "killed": ..., "completed": ..., "lost": ..., "lost_details": [...], "outcomes": {...}}``.
+        ``{"points": ..., "killed": ..., "completed": ..., "lost": ..., "lost_details": [...], "outcomes": {...},
+        "phases": {mode: {phase: kills}}}`` (``phases["save_state"]["background"]``: kills that landed while the
+        background commit was running).
     """
     import torch  # noqa: F401 - the parent verifies in-process
 
@@ -244,7 +273,7 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
     work = Path(workdir or tmp.name)
     result: dict[str, Any] = {"points": 0, "killed": 0, "completed": 0, "lost": 0, "lost_details": [],
                               "outcomes": {m: {"previous_in_place": 0, "new_in_place": 0} for m in MODES},
-                              "events_per_save": {}, "seed": seed}
+                              "events_per_save": {}, "seed": seed, "phases": {m: {} for m in MODES}}
     say = log or (lambda *_: None)
     try:
         last: dict[str, int] = {}
@@ -257,6 +286,8 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
             result["events_per_save"][mode] = out["events"]
             result.setdefault("commit_from_event", {})[mode] = out["finalize_at"]
             result.setdefault("swap_from_event", {})[mode] = out["swap_at"]
+            result.setdefault("background_commit", {})[mode] = out["finalize_in_background"] and {
+                "events": out["bg_events"], "swap_from_event": out["bg_swap_at"]}
             last[mode] = 0
         version = 0
         commits = {m: 0 for m in MODES}
@@ -265,12 +296,17 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
             version += 1  # noqa: SIM113 - counts saves, also those of the other mode
             total = result["events_per_save"][mode]
             # Every third point lands in the commit phase (fsync, marker, swap), alternately anywhere in it
-            # and from the swap on; the others anywhere in the save.
-            start = 1
+            # and from the swap on (a background commit: counted in its own thread's events); the others
+            # anywhere in the save.
+            start, prefix, bg = 1, "", result["background_commit"][mode]
             if i % 3 == 2:
                 commits[mode] += 1
-                start = result["commit_from_event"][mode] if commits[mode] % 2 else result["swap_from_event"][mode]
-            kill_at = rng.randint(max(start, 1), total)
+                if bg:
+                    prefix, total = "bg", bg["events"]
+                    start = 1 if commits[mode] % 2 else bg["swap_from_event"]
+                else:
+                    start = result["commit_from_event"][mode] if commits[mode] % 2 else result["swap_from_event"][mode]
+            kill_at = f"{prefix}{rng.randint(max(start, 1), total)}"
             rc, out, err = _run_child(mode, work, version, kill_at)
             result["points"] += 1
             killed = rc == -signal.SIGKILL
@@ -280,6 +316,9 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
                 result["completed"] += 1
             else:
                 raise RuntimeError(f"the {mode} child failed (rc={rc}) instead of being killed:\n{err}")
+            phase_file = work / mode / "kill_phase.json"
+            phase = json.loads(phase_file.read_text())["phase"] if killed and phase_file.exists() else "completed"
+            result["phases"][mode][phase] = result["phases"][mode].get(phase, 0) + 1
             target = work / mode / "ckpt"
             problems = []
             try:
@@ -298,11 +337,12 @@ def run(points: int, *, seed: int = 0, workdir: str | None = None, log: Any = No
                     result["outcomes"][mode][key] += 1
                 last[mode] = found
             problems += _partials_refused(mode, target.parent)
-            say(f"point {i + 1}/{points} {mode} kill_at={kill_at}/{result['events_per_save'][mode]} "
-                f"{'killed' if killed else 'completed'} -> version {found} in place{'; ' + '; '.join(problems) if problems else ''}")
+            say(f"point {i + 1}/{points} {mode} kill_at={kill_at}/{total} "
+                f"{'killed in phase ' + phase if killed else 'completed'} -> version {found} in place{'; ' + '; '.join(problems) if problems else ''}")
             if problems:
                 result["lost"] += 1
-                result["lost_details"].append({"point": i + 1, "mode": mode, "kill_at": kill_at, "problems": problems})
+                result["lost_details"].append({"point": i + 1, "mode": mode, "kill_at": kill_at, "phase": phase,
+                                               "problems": problems})
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -319,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         mode, work, version, kill_at = args.child
-        _child(mode, Path(work), int(version), int(kill_at))
+        _child(mode, Path(work), int(version), kill_at)
         return 0
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     result = run(args.points, seed=args.seed, workdir=args.workdir, log=log)

@@ -134,6 +134,7 @@ def caught_failure_then_next_hooks(rank: int, world_size: int, *, ckpt: str, lin
             return original(self, ctx)
 
         DataLoaderResumeStage.run = run_once_failing
+        DataLoaderResumeStage.skip_reason = lambda self, ctx: None  # no dataloader here: make the stage run
     out: dict[str, Any] = {}
     out["failed_hook"] = _outcome(lambda: acc.save_state(ckpt))
     _linger(rank, world_size, "tests/failed_hook_ended", linger_s)

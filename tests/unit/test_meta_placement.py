@@ -82,11 +82,12 @@ def _ctx(**kw):
 
 def test_stages_skip_with_reasons_when_they_do_not_apply():
     plugin = MemSafePlugin()
-    assert MetaPlacementStage(plugin).run(_ctx(is_fsdp2=False)).reason == "not an FSDP2 run"
-    assert MetaPlacementStage(plugin).run(_ctx(model=None)).status == "skipped"
-    assert "single process" in MetaPlacementStage(plugin).run(_ctx(world_size=1)).reason
-    assert "meta_placement" in Rank0DistributeStage(plugin).run(_ctx()).reason
-    assert BufferInitStage(plugin).run(_ctx(world_size=1)).status == "skipped"
+    assert MetaPlacementStage(plugin).skip_reason(_ctx(is_fsdp2=False)) == "not an FSDP2 run"
+    assert MetaPlacementStage(plugin).skip_reason(_ctx(model=None)) == "no model passed to prepare"
+    assert "single process" in MetaPlacementStage(plugin).skip_reason(_ctx(world_size=1))
+    assert MetaPlacementStage(plugin).skip_reason(_ctx()) is None
+    assert "meta_placement" in Rank0DistributeStage(plugin).skip_reason(_ctx())
+    assert BufferInitStage(plugin).skip_reason(_ctx(world_size=1)) == "single process: nothing to synchronise"
 
 
 def test_default_pipeline_order_and_validation():

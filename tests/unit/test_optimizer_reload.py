@@ -65,6 +65,7 @@ def checkpoint(tmp_path):
         _step(acc, model, opt, i)
     path = tmp_path / "ckpt"
     acc.save_state(str(path))
+    acc.wait_for_everyone()  # read in-process (also by stock accelerate): wait for the background commit
     state = _state(opt)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     next_loss = _step(acc, model, opt, 2)

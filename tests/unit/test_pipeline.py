@@ -112,3 +112,106 @@ def test_preflight_refuses_a_stage_that_cannot_fit_before_it_starts():
     ctx.options = MemSafePlugin(stages=["shard"], preflight_memory_check=False)
     pipe.run(ctx, lambda c: log.append("upstream"))
     assert log == ["run:huge", "upstream", "after:huge"]
+
+
+class _CountingProbe:
+    """Stands in for ``MemoryProbe`` and counts the regions probed."""
+
+    made: list[str] = []
+
+    def __init__(self, *args, **kwargs):
+        from accelerate_memsafe.memory.probe import MemoryProbe
+
+        self._probe = MemoryProbe(*args, **kwargs)
+        _CountingProbe.made.append("probe")
+
+    def __enter__(self):
+        self._probe.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._probe.__exit__(*exc)
+
+    @property
+    def result(self):
+        return self._probe.result
+
+
+def test_a_stage_that_does_not_apply_is_not_probed_and_reports_only_its_reason(monkeypatch):
+    import accelerate_memsafe.pipeline as pipeline_mod
+
+    class NotHere(_Log):
+        def skip_reason(self, ctx):
+            return "no PEFT model"
+
+        def run(self, ctx):
+            pytest.fail("run() of a stage whose skip_reason said it does not apply")
+
+    monkeypatch.setattr(pipeline_mod, "MemoryProbe", _CountingProbe)
+    _CountingProbe.made = []
+    log: list[str] = []
+    report = MemoryReport()
+    Pipeline({"save_state": (NotHere("peft_cpu_reload", log), _Log("b", log))}, report).run(_ctx(), lambda c: None)
+    assert log == ["run:b", "after:b"], "neither run() nor after() of a skipped stage may be called"
+    # one probe for `b`'s run, one for accelerate's call, one for `b`'s after: none for the skipped stage
+    assert len(_CountingProbe.made) == 3
+    rec = report.find(stage="peft_cpu_reload")[0]
+    assert (rec.status, rec.reason) == ("skipped", "no PEFT model")
+    figures = [k for k in RECORD_KEYS if k.endswith("_bytes")]
+    assert rec.wall_s == 0 and all(getattr(rec, k) is None for k in figures)
+    assert rec.timeline == [] and rec.segments == [] and rec.details == {}
+    row = next(line for line in report.to_markdown().splitlines() if "peft_cpu_reload" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3:5] == ["skipped", "-"], f"a stage that did not run must not show a measured wall time: {row}"
+    assert cells[-1] == "no PEFT model"
+    ran_row = next(line for line in report.to_markdown().splitlines() if "| b |" in line)
+    assert [c.strip() for c in ran_row.strip("|").split("|")][4] != "-"
+
+
+_SUBPROCESS_SKIPS = r'''
+import json, sys, tempfile
+import torch
+import accelerate_memsafe.pipeline as pipeline_mod
+from accelerate_memsafe import Accelerator, MemSafePlugin
+from accelerate_memsafe.models import build_llama
+
+probed = []
+real = pipeline_mod.MemoryProbe
+class Counting(real):
+    def __init__(self, *a, **k):
+        probed.append(1)
+        super().__init__(*a, **k)
+pipeline_mod.MemoryProbe = Counting
+acc = Accelerator(plugins=[MemSafePlugin(progress=False)], cpu=True)
+model, opt = acc.prepare(build_llama("tiny"), torch.optim.AdamW(build_llama("tiny").parameters()))
+with tempfile.TemporaryDirectory() as d:
+    acc.save_state(d + "/ckpt")
+    acc.load_state(d + "/ckpt")
+recs = acc.memsafe_plugin.report.records
+print(json.dumps({"peft_imported": "peft" in sys.modules, "probes": len(probed),
+                  "measured": sum(len(r.segments) for r in recs if not r.details.get("background")),
+                  "skipped": [(r.hook, r.stage, r.reason, r.wall_s, r.cpu_anon_peak_bytes, r.live_tensor_peak_bytes)
+                              for r in recs if r.status == "skipped"]}))
+'''
+
+
+def test_default_pipeline_skips_cost_no_probe_and_no_import():
+    """One process, no PEFT model, no dataloader: every stage that does not apply is decided before it is probed,
+    so the hooks create one probe per region that ran, and `peft` is never imported."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS_SKIPS], cwd=root, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not out["peft_imported"], "a load_state of a model that is not a PeftModel imported peft"
+    assert out["probes"] == out["measured"], out  # one probe per measured part (run, accelerate's call, after)
+    skipped = {(hook, stage): rest for hook, stage, *rest in out["skipped"]}
+    assert skipped[("load_state", "peft_cpu_reload")] == ["no PEFT model", 0, None, None]
+    for stage in ("meta_placement", "shard", "buffer_init", "optimizer_offload", "dataloader_resume"):
+        assert skipped[("prepare", stage)][1:] == [0, None, None], (stage, skipped)
