@@ -37,16 +37,22 @@ class MemSafePlugin:
     """Stage names in run order (each stage serves its own hook points). ``None``: every stage, default order."""
 
     bucket_bytes: int = 64 * 2**20
-    """Bytes per bucket when rank 0 distributes weights; bounds rank 0's cast copies in flight."""
+    """Bound on rank 0's cast copies in flight while it sends weights at ``prepare`` (``load_source="rank0"``, and
+    what rank 0 sends under ``"node"``). Each bucket is ``bucket_bytes // (prefetch_buckets + 2)`` bytes (16 MiB with
+    the defaults): rank 0 keeps at most ``prefetch_buckets + 1`` buckets plus one conversion temporary alive, so
+    the total stays within ``bucket_bytes``; every other rank receives into one buffer of a bucket's size. Accepts
+    ``"32MiB"``, ``"500MB"``."""
 
     prefetch_buckets: int = 2
     """How many buckets rank 0 reads ahead while the current one is sent (hard bound on what is in flight)."""
 
     load_source: str = "auto"
     """Where the ranks get their weights at ``prepare``: ``"rank0"`` (rank 0 reads and scatters each rank's
-    block), ``"every_rank"`` (each rank reads its own block from the checkpoint: every rank must see rank 0's
-    checkpoint, same size, modification time and header), ``"auto"`` (``every_rank`` where valid, else
-    ``rank0``; the report says which and why)."""
+    block), ``"node"`` (each node's leader reads or receives its node's blocks, at most one copy per node from rank
+    0, and scatters them within the node), ``"every_rank"`` (each rank reads its own block from the checkpoint:
+    every rank must see rank 0's checkpoint, same size, modification time and header), ``"auto"`` (``every_rank``
+    where valid, else ``node`` when every node's leader sees the checkpoint, else ``rank0``; the report says which
+    and why)."""
 
     optimizer_offload: bool = False
     """Keep optimizer state on CPU between steps (and reload it straight to CPU)."""

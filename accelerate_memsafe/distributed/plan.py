@@ -27,6 +27,20 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def bucket_budget(bucket_bytes: int, prefetch_buckets: int, world_size: int) -> int:
+    """Bytes of one bucket: ``bucket_bytes // (prefetch_buckets + 2)``, at least ``_ALIGN`` bytes per rank.
+
+    Rank 0 keeps at most ``prefetch_buckets + 1`` buckets alive plus one conversion temporary no larger than a
+    bucket, so its cast copies in flight stay within ``bucket_bytes`` (what ``MemSafePlugin.bucket_bytes``
+    promises); every other rank receives into one buffer of this size.
+
+    Example:
+        >>> bucket_budget(64 * 2**20, 2, world_size=8) == 16 * 2**20
+        True
+    """
+    return max(_ALIGN * world_size, bucket_bytes // (prefetch_buckets + 2))
+
+
 @dataclass
 class _Cut:
     """How a tensor is cut into units (the same on every rank)."""

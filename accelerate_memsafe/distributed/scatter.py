@@ -32,7 +32,7 @@ from ..io.safetensors_source import SafetensorsSource
 from .collectives import Collectives
 from .meta import difference_from_rank0
 from .sharding import canonical_name
-from .plan import _ALIGN, _Sharded
+from .plan import _Sharded, bucket_budget
 from .source import Rank0Source
 from .transport import DistributeStats, _install, _send_flat
 
@@ -241,7 +241,7 @@ def distribute_from_rank0(
             )
     sharded, replicated = follow_rank0_layout(sharded, replicated, coll, rank0_problem=problem)
     gather_boxes(sharded, coll)
-    budget = max(_ALIGN * world, bucket_bytes // (prefetch_buckets + 2))
+    budget = bucket_budget(bucket_bytes, prefetch_buckets, world)
     stats = DistributeStats(sharded_tensors=len(sharded), replicated_tensors=len(replicated), bucket_budget=budget)
     if rank == 0:
         stats.from_checkpoint = len(source.from_checkpoint)
