@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from dataclasses import dataclass
 import io
 import json
 import pickle
@@ -272,6 +273,16 @@ def _abandon(work: Any, group: Any, what: str) -> None:
             pass
 
 
+@dataclass
+class Pending:
+    """A collective issued by :meth:`Collectives.start` and not yet waited for."""
+
+    index: int
+    what: str
+    started: float
+    work: Any
+
+
 class Collectives:
     """Timeout-guarded collectives for one stage run.
 
@@ -327,7 +338,7 @@ class Collectives:
                 return []
         return missing
 
-    def _wait(self, work: Any, what: str, started: float) -> None:
+    def _wait(self, work: Any, what: str, started: float, index: int | None = None) -> None:
         """Polls ``work`` until it completes, looking at the hook's failure board every
         :data:`PEER_CHECK_INTERVAL_S` while it is pending; gives up at ``started + timeout_s``.
 
@@ -335,10 +346,11 @@ class Collectives:
         out aborts the communicator, so only the overall deadline goes through ``wait``.
         """
         deadline = started + self.timeout_s
+        index = self._count - 1 if index is None else index
         try:
             done = work.is_completed()
         except Exception:  # a backend without is_completed(): block up to the deadline, as before
-            self._arrive(self._count - 1)
+            self._arrive(index)
             work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
             return
         spin_until = time.monotonic() + _SPIN_S
@@ -351,7 +363,7 @@ class Collectives:
                 _abandon(work, self.group, f"{what} in stage `{self.stage}`")
                 raise TimeoutError(f"still pending after {now - started:.1f}s")
             if now >= next_check and not marked:
-                self._arrive(self._count - 1)  # only a slow op leaves a mark: the fast path has no store traffic
+                self._arrive(index)  # only a slow op leaves a mark: the fast path has no store traffic
                 marked = True
             if now >= next_check and self._scope is not None:
                 failures = self._scope.peer_failures()
@@ -379,39 +391,78 @@ class Collectives:
                 :data:`PEER_CHECK_INTERVAL_S` of the failure).
             CollectiveTimeoutError: If the op failed or did not finish within ``timeout_s``.
         """
+        self.finish(self.start(what, start))
+
+    def start(self, what: str, start: Callable[[], Any]) -> Pending:
+        """Issues an async collective with ``start()`` and returns at once; :meth:`finish` waits for it.
+        Several may be pending (the backend runs them in issue order): a transfer is posted while the
+        previous one is still on the wire.
+
+        Raises:
+            CollectiveTimeoutError: If the op could not be issued.
+        """
         index = self._count
         self._count += 1
         started = time.monotonic()
         try:
-            work = start()
-            if work is not None:
-                self._wait(work, what, started)
+            return Pending(index, what, started, start())
         except PeerStageError:
             raise
         except Exception as exc:
-            self._arrive(index)
-            missing = self._missing(index)
-            who = (
-                f"rank(s) {missing} never reached it"
-                if missing
-                else "every rank reached it, so a peer failed or stalled during the transfer"
-            )
-            elapsed = time.monotonic() - started
-            how = (
-                f"did not complete within collective_timeout_s={self.timeout_s:g}s"
-                if elapsed >= self.timeout_s
-                else f"failed after {elapsed:.1f}s (collective_timeout_s={self.timeout_s:g}s)"
-            )
-            raise CollectiveTimeoutError(
-                f"stage `{self.stage}`: {what} on rank {self.rank} {how}: {who} ({type(exc).__name__}: {exc}). "
-                "Check the log of the missing rank (it may have crashed or run out of memory); raise "
-                "`MemSafePlugin(collective_timeout_s=...)` if the ranks are merely slow."
-            ) from exc
+            raise self._failure(index, what, started, exc) from exc
+
+    def finish(self, pending: Pending) -> None:
+        """Waits for a collective issued by :meth:`start`, under the deadline and the peer-failure watch.
+
+        Raises:
+            PeerStageError: If another rank failed during the same hook call.
+            CollectiveTimeoutError: If the op failed or did not finish within ``timeout_s`` of its start.
+        """
+        try:
+            if pending.work is not None:
+                self._wait(pending.work, pending.what, pending.started, pending.index)
+        except PeerStageError:
+            raise
+        except Exception as exc:
+            raise self._failure(pending.index, pending.what, pending.started, exc) from exc
+
+    def abandon(self, pending: Pending) -> None:
+        """Gives up on a collective issued by :meth:`start` that will not be waited for (this rank is raising):
+        the process group is marked out of step (:func:`check_not_abandoned`)."""
+        if pending.work is not None:
+            _abandon(pending.work, self.group, f"{pending.what} in stage `{self.stage}`")
+
+    def _failure(self, index: int, what: str, started: float, exc: BaseException) -> CollectiveTimeoutError:
+        self._arrive(index)
+        missing = self._missing(index)
+        who = (
+            f"rank(s) {missing} never reached it"
+            if missing
+            else "every rank reached it, so a peer failed or stalled during the transfer"
+        )
+        elapsed = time.monotonic() - started
+        how = (
+            f"did not complete within collective_timeout_s={self.timeout_s:g}s"
+            if elapsed >= self.timeout_s
+            else f"failed after {elapsed:.1f}s (collective_timeout_s={self.timeout_s:g}s)"
+        )
+        return CollectiveTimeoutError(
+            f"stage `{self.stage}`: {what} on rank {self.rank} {how}: {who} ({type(exc).__name__}: {exc}). "
+            "Check the log of the missing rank (it may have crashed or run out of memory); raise "
+            "`MemSafePlugin(collective_timeout_s=...)` if the ranks are merely slow."
+        )
 
     # -- ops ------------------------------------------------------------------------------------------
     def scatter(self, output: torch.Tensor, chunks: list[torch.Tensor] | None, *, src: int = 0, what: str = "scatter") -> None:
         """``dist.scatter`` under the deadline (``chunks`` only on ``src``); tensors must be on :attr:`device`."""
-        self.run(what, lambda: dist.scatter(output, chunks if self.rank == src else None, src=src, group=self.group, async_op=True))
+        self.finish(self.scatter_async(output, chunks, src=src, what=what))
+
+    def scatter_async(self, output: torch.Tensor, chunks: list[torch.Tensor] | None, *, src: int = 0,
+                      what: str = "scatter") -> Pending:
+        """Issues :meth:`scatter` without waiting (see :meth:`start`); the buffers must stay untouched until
+        :meth:`finish` returns."""
+        return self.start(what, lambda: dist.scatter(output, chunks if self.rank == src else None, src=src,
+                                                     group=self.group, async_op=True))
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, what: str = "broadcast") -> None:
         """``dist.broadcast`` under the deadline (a tensor off :attr:`device` travels through a copy)."""

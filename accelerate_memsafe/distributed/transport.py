@@ -243,35 +243,56 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
         prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
         total = sum(b.slot_bytes for b in buckets) * world
         bar = byte_progress(total, "rank0_distribute: scatter", enabled=progress, rank=rank)
+        def finish(sent: tuple) -> None:
+            bucket, flat, slots, in_place, pending = sent
+            coll.finish(pending)
+            if not in_place:
+                unpack_slot(bucket, slots[0], rank, locals_)
+            for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
+                source.release(name)
+            stats.bytes_sent += bucket.slot_bytes * (world - 1)
+            bar.update(bucket.slot_bytes * world)
+            ring.give(flat)
+            prefetcher.release()
+
+        sent = None  # double-buffered: bucket k + 1 is posted before bucket k is waited for
         try:
             for bucket, (flat, slots, in_place) in zip(buckets, prefetcher):
-                coll.scatter(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
-                if not in_place:
-                    unpack_slot(bucket, slots[0], rank, locals_)
-                for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
-                    source.release(name)
-                stats.bytes_sent += bucket.slot_bytes * (world - 1)
-                bar.update(bucket.slot_bytes * world)
-                del slots
-                ring.give(flat)
-                prefetcher.release()
+                pending = coll.scatter_async(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+                if sent is not None:
+                    finish(sent)
+                sent = (bucket, flat, slots, in_place, pending)
+                del flat, slots
+            if sent is not None:
+                finish(sent)
+                sent = None
         finally:
+            if sent is not None:  # raising with a bucket still on the wire
+                coll.abandon(sent[4])
             bar.close()
             prefetcher.close()
     else:
-        staging = None
+        staging: list[torch.Tensor | None] = [None, None]  # two: one receiving while the other is unpacked
+        received = None
         for bucket in buckets:
             what = f"scatter of bucket {bucket.index + 1}/{len(buckets)}"
             region = direct_region(bucket, rank, locals_, coll.device)
-            if region is not None:
-                coll.scatter(region, None, src=0, what=what)
-            else:
-                if staging is None:
-                    staging = torch.empty(largest, dtype=torch.uint8, device=coll.device)
-                buf = staging[: bucket.slot_bytes]
-                coll.scatter(buf, None, src=0, what=what)
-                unpack_slot(bucket, buf, rank, locals_)
-            stats.bytes_received += bucket.slot_bytes
+            buf = None
+            if region is None:
+                k = bucket.index % 2
+                if staging[k] is None:
+                    staging[k] = torch.empty(largest, dtype=torch.uint8, device=coll.device)
+                buf = staging[k][: bucket.slot_bytes]
+            pending = coll.scatter_async(region if buf is None else buf, None, src=0, what=what)
+            if received is not None:
+                try:
+                    _received(coll, rank, locals_, stats, *received)
+                except BaseException:
+                    coll.abandon(pending)
+                    raise
+            received = (bucket, buf, pending)
+        if received is not None:
+            _received(coll, rank, locals_, stats, *received)
         del staging
 
     groups = replicated_groups(replicated, budget)
@@ -288,6 +309,16 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             stats.bytes_received += flat.numel()
         install_from(group, flat, device)
         del flat
+
+
+def _received(coll: Collectives, rank: int, locals_: dict[str, torch.Tensor], stats: DistributeStats, bucket: _Bucket,
+              buf: torch.Tensor | None, pending: Any) -> None:
+    """Waits for a bucket posted with ``scatter_async`` and moves it into place (``buf``: a staging buffer to
+    unpack; ``None``: it was received in place)."""
+    coll.finish(pending)
+    if buf is not None:
+        unpack_slot(bucket, buf, rank, locals_)
+    stats.bytes_received += bucket.slot_bytes
 
 
 def replicated_groups(replicated: list[Any], budget: int) -> list[list[tuple[Any, int, int]]]:

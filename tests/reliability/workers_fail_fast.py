@@ -39,7 +39,7 @@ def _inject(stage: str, when: str) -> None:
             read_rows = source.read_rows
 
             def failing_read_rows(name, start, stop, out, cols=None):
-                if next(calls) == 40:
+                if next(calls) == 12:
                     raise CheckpointError(INJECTED)
                 return read_rows(name, start, stop, out, cols)
 
