@@ -32,7 +32,8 @@ def bucket_budget(bucket_bytes: int, prefetch_buckets: int, world_size: int) -> 
 
     Rank 0 keeps at most ``prefetch_buckets + 1`` buckets alive plus one conversion temporary no larger than a
     bucket, so its cast copies in flight stay within ``bucket_bytes`` (what ``MemSafePlugin.bucket_bytes``
-    promises); every other rank receives into one buffer of this size.
+    promises); every other rank receives its slot of a bucket (at most this size / ``world_size``) in place or
+    into one of two alternating staging buffers.
 
     Example:
         >>> bucket_budget(64 * 2**20, 2, world_size=8) == 16 * 2**20
