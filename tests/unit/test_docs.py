@@ -1,8 +1,12 @@
-"""The docs are checked like code: links resolve, every public name, option and stage is documented."""
+"""The docs are checked like code: links resolve; every public name, option and stage is documented; documented
+defaults, formulas and formats are the code's; every benchmark figure quoted in the README and docs is its table's
+cell; every guarantee names a test that exists and the known gaps are listed; every error class has its
+troubleshooting entry, with messages the code writes."""
 
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +141,33 @@ def test_the_documented_bucket_size_is_what_the_distribution_uses():
                                                                  MemSafePlugin().prefetch_buckets, 2), where
 
 
+def test_the_distribution_reports_the_documented_bucket_size():
+    """What `rank0_distribute` reports as its `bucket_budget` (and plans with) is the documented formula, on a
+    1-rank gloo group in this process."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from accelerate_memsafe.distributed.collectives import Collectives
+    from accelerate_memsafe.distributed.meta import move_to_meta, weights_metadata
+    from accelerate_memsafe.distributed.scatter import distribute_from_rank0
+    from accelerate_memsafe.distributed.source import Rank0Source
+    from accelerate_memsafe.docs_index import option_docs
+    from tests.spawn import free_port
+
+    formula = _bucket_formula(option_docs()["bucket_bytes"], "the `bucket_bytes` docstring")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    for bucket_bytes, prefetch in ((4096, 1), (10_000, 2), (1 << 20, 5)):
+        model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+        originals = move_to_meta(model, [], weights_metadata(model), keep=True)
+        fully_shard(model)
+        stats = distribute_from_rank0(model, Rank0Source(originals), coll=Collectives("test", timeout_s=30),
+                                      bucket_bytes=bucket_bytes, prefetch_buckets=prefetch, device=torch.device("cpu"))
+        documented = eval(formula, {}, {"bucket_bytes": bucket_bytes, "prefetch_buckets": prefetch})
+        assert stats.bucket_budget == documented, (bucket_bytes, prefetch, stats.bucket_budget, documented)
+
+
 def test_documented_choices_and_formats_are_accepted():
     """Every `load_source` the code accepts is described in the docstring and in configuration.md; the size and
     boolean formats configuration.md gives parse as it says."""
@@ -163,11 +194,12 @@ GUARANTEES = ROOT / "docs" / "guarantees.md"
 NOT_PROMISES = ("What is not promised", "Known gaps", "The kill harness")  # the last describes a test itself
 
 
-def _test_functions() -> set[str]:
+@functools.lru_cache(maxsize=1)
+def _test_functions() -> frozenset[str]:
     names = set()
     for path in (ROOT / "tests").rglob("*.py"):
         names.update(re.findall(r"^(?:async )?def (test_\w+)\(", path.read_text(), flags=re.M))
-    return names
+    return frozenset(names)
 
 
 def test_references(text: str, base: Path) -> tuple[set[str], list[str]]:
