@@ -432,13 +432,15 @@ class Pipeline:
         stages = [s for s in self.stages.get(ctx.hook, ()) if type(s).estimate is not Stage.estimate]
         if not stages:
             return
-        limit, dev_free = available_memory(ctx.device)
         estimates = {}
         for stage in stages:
             est = stage.estimate(ctx)
             if est is not None:
                 estimates[stage.name] = est
         ctx.scratch.setdefault("estimates", {}).update(estimates)
+        if not estimates and ctx.world_size == 1:
+            return  # nothing to check (with peers, every rank still takes part in the exchange)
+        limit, dev_free = available_memory(ctx.device)
         mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
         budgets = [mine]
         import torch.distributed as dist

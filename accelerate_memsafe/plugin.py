@@ -75,8 +75,10 @@ class MemSafePlugin:
     the next hook, ``wait_for_everyone()``, ``end_training()`` or :meth:`wait_for_checkpoint` waits for it (raising
     its error on every rank). ``False``: all of it before ``save_state`` returns."""
 
-    track_live_tensors: bool = True
-    """Run the dispatch-level live-tensor tracker inside each stage (exact tensor peaks; small overhead)."""
+    track_live_tensors: bool = False
+    """Run the dispatch-level live-tensor tracker inside each stage: exact peaks of live tensor bytes
+    (``live_tensor_peak_bytes``), at a cost per aten op that makes op-heavy hooks (an FSDP2 ``load_state``) measurably
+    slower. Off: ``live_tensor_peak_bytes`` is ``None`` and the report's ``not_measured`` says why."""
 
     progress: bool = True
     """Show tqdm progress bars on rank 0 for stages that move more than a few hundred MB."""
@@ -110,6 +112,10 @@ class MemSafePlugin:
         names = DEFAULT_STAGES if self.stages is None else self.stages
         by_hook = validate_stage_names(names, STAGE_REGISTRY)
         instances = {hook: tuple(cls(self) for cls in classes) for hook, classes in by_hook.items()}
+        if not self.track_live_tensors:
+            self.report.not_measured["live_tensor_peak_bytes"] = (
+                "the live-tensor tracker is off (`track_live_tensors=False`, the default: it runs Python on every aten "
+                "op); RSS, RssAnon and device peaks are measured. Turn it on with `MemSafePlugin(track_live_tensors=True)`.")
         object.__setattr__(self, "_pipeline", Pipeline(instances, self.report, track_tensors=self.track_live_tensors))
 
     @property

@@ -72,15 +72,18 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -
     acc = _accelerator(path, world)
     sync = acc.wait_for_everyone
 
-    def timed(fn):
+    cpu: dict[str, list[float]] = {"prepare_s": [], "save_state_s": [], "load_state_s": []}
+
+    def timed(fn, hook):
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
+        cpu[hook].append(time.process_time() - c0)  # every thread of the process: the sampler's too
         return time.perf_counter() - t0, out
 
     model = LlamaForCausalLM(llama_config(size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt))
+    prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     acc.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()
@@ -89,16 +92,17 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -
     target = os.path.join(work, "ckpt")
     saves, tails, loads = [], [], []
     for _ in range(repeats):
-        save_s, _ = timed(lambda: acc.save_state(target))
+        save_s, _ = timed(lambda: acc.save_state(target), "save_state_s")
         t0 = time.perf_counter()
         wait()  # the background commit (rank 0), outside every timed hook
         tails.append(time.perf_counter() - t0)
-        load_s, _ = timed(lambda: acc.load_state(target))
+        load_s, _ = timed(lambda: acc.load_state(target), "load_state_s")
         saves.append(save_s)
         loads.append(load_s)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return {"rank": rank, "prepare_s": prepare_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads}
+    return {"rank": rank, "prepare_s": prepare_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,
+            "cpu": cpu}
 
 
 def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, queue) -> None:
@@ -120,6 +124,8 @@ def _launch(world: int, path: str, size: str, repeats: int) -> dict:
     out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
     for key in ("save_state_s", "commit_tail_s", "load_state_s"):
         out[key] = min(max(r[key][i] for r in ranks) for i in range(repeats))
+    for key in HOOKS:  # CPU seconds of the busiest rank: less sensitive than the wall to a busy machine
+        out[f"cpu_{key}"] = min(max(r["cpu"][key][i] for r in ranks) for i in range(len(ranks[0]["cpu"][key])))
     return out
 
 
@@ -143,7 +149,9 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
 
 
 def markdown(doc: dict) -> str:
-    lines = [f"\nOverhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW, best "
+    """The two tables (wall, then CPU seconds), between ``<!-- table: overhead-<size> -->`` markers."""
+    lines = [f"\n<!-- table: overhead-{doc['size']} -->",
+             f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW, best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}):\n",
              "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ÷ stock "
              "| save_state ÷ stock | load_state ÷ stock | added per hook (s): prepare / save / load |",
@@ -157,7 +165,17 @@ def markdown(doc: dict) -> str:
             tail = f"{r['commit_tail_s']:.3f}" if path != "stock" else "-"
             lines.append(f"| {setting} | {path} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} "
                          f"| {tail} | {ratio} | {add} |")
-    return "\n".join(lines) + "\n"
+    lines += ["", "CPU seconds of the busiest rank's process in the hook (every thread; less sensitive than the wall to "
+              "other work on the machine), best round:", "",
+              "| setting | path | prepare CPU (s) | save_state CPU (s) | load_state CPU (s) | prepare CPU ÷ stock "
+              "| save_state CPU ÷ stock | load_state CPU ÷ stock |", "|---|---|---|---|---|---|---|---|"]
+    for setting, by_path in doc["runs"].items():
+        stock = by_path["stock"]
+        for path, r in by_path.items():
+            cpu = [r[f"cpu_{h}"] for h in HOOKS]
+            ratio = " | ".join(f"{r[f'cpu_{h}'] / stock[f'cpu_{h}']:.2f}" for h in HOOKS)
+            lines.append(f"| {setting} | {path} | " + " | ".join(f"{c:.3f}" for c in cpu) + f" | {ratio} |")
+    return "\n".join(lines) + "\n<!-- /table -->\n"
 
 
 def main(argv: list[str] | None = None) -> dict:

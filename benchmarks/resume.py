@@ -74,7 +74,8 @@ def _accelerator(path: str, device: str, offload: bool, fsdp2: bool = False, sdt
             MemSafePlugin(stages=["shard"], progress=False).attach(acc, fsdp_plugin=fsdp_plugin)
         return acc
     kwargs = {"fsdp_plugin": fsdp_plugin} if fsdp_plugin is not None else {"cpu": device == "cpu"}
-    return Accelerator(plugins=[MemSafePlugin(optimizer_offload=offload, progress=False)], **kwargs)
+    # the stage table reports each stage's live tensor peak: the tracker on
+    return Accelerator(plugins=[MemSafePlugin(optimizer_offload=offload, progress=False, track_live_tensors=True)], **kwargs)
 
 
 def _batch(i: int, seq: int, vocab: int):

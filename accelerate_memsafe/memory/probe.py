@@ -19,6 +19,7 @@ raised to ``VmHWM`` when ``VmHWM`` rose during the region.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -97,6 +98,47 @@ def _device_module(device: torch.device | None):
     return mod
 
 
+class _Sampler:
+    """One daemon thread per process samples RSS/RssAnon (and device memory) for every open probe, every
+    :data:`SAMPLE_INTERVAL_S`, and sleeps on a condition while none is open: a probe costs no thread start or
+    join (each is a scheduler round trip, milliseconds on a busy machine, on every stage)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._probes: list[MemoryProbe] = []
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def add(self, probe: MemoryProbe) -> None:
+        with self._cond:
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()  # a forked child has no copy of the parent's thread
+                self._thread = threading.Thread(target=self._run, name="memsafe-probe", daemon=True)
+                self._thread.start()
+            self._probes.append(probe)
+            self._cond.notify()
+
+    def remove(self, probe: MemoryProbe) -> None:
+        """Once this returns, the thread adds nothing more to ``probe``."""
+        with self._cond:
+            self._probes.remove(probe)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._probes:
+                    self._cond.wait()
+            mem = read_rss_anon()
+            t = time.perf_counter()
+            with self._cond:
+                for probe in self._probes:
+                    probe._take(t, mem)
+            time.sleep(SAMPLE_INTERVAL_S)
+
+
+_SAMPLER = _Sampler()
+
+
 class MemoryProbe:
     """Measures one region of code. Use as a context manager; read :attr:`result` afterwards.
 
@@ -117,23 +159,21 @@ class MemoryProbe:
         self.track_tensors = track_tensors
         self.origin = time.perf_counter() if origin is None else origin
         self.result: ProbeResult | None = None
-        self._stop = threading.Event()
         self._samples: list[Sample] = []
-        self._thread: threading.Thread | None = None
+        self._sampling = False
         self._tracker: LiveTensorTracker | None = None
         self._dev = None
         self._dev_sampled_peak = 0
 
     def _sample(self) -> None:
-        mem = read_rss_anon()  # one pread of /proc/self/statm: the thread's cost stays small at 500 samples/s
+        self._take(time.perf_counter(), read_rss_anon())
+
+    def _take(self, t: float, mem: tuple[int, int] | None) -> None:
+        # one pread of /proc/self/statm per sample: the thread's cost stays small at 500 samples/s
         if mem is not None:
-            self._samples.append(Sample(time.perf_counter() - self.origin, *mem))
+            self._samples.append(Sample(t - self.origin, *mem))
         if self._dev is not None:
             self._dev_sampled_peak = max(self._dev_sampled_peak, _allocated(self._dev, self._dev_device))
-
-    def _run_sampler(self) -> None:
-        while not self._stop.wait(SAMPLE_INTERVAL_S):
-            self._sample()
 
     def __enter__(self) -> MemoryProbe:
         self._start_mem = read_proc_memory()
@@ -145,8 +185,8 @@ class MemoryProbe:
             self._dev_max_start = _max_allocated(self._dev, self._dev_device)
             self._dev_sampled_peak = self._dev_start
         self._sample()
-        self._thread = threading.Thread(target=self._run_sampler, name="memsafe-probe", daemon=True)
-        self._thread.start()
+        _SAMPLER.add(self)
+        self._sampling = True
         if self.track_tensors:
             self._tracker = LiveTensorTracker()
             self._tracker.__enter__()
@@ -157,9 +197,9 @@ class MemoryProbe:
         wall = time.perf_counter() - self._t0
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        if self._sampling:
+            _SAMPLER.remove(self)
+            self._sampling = False
         self._sample()
         end = read_proc_memory()
         start = self._start_mem

@@ -86,7 +86,8 @@ def _mib(n: int | None) -> str:
 
 
 class MemoryReport:
-    """The per-stage memory and time records of a run.
+    """The per-stage memory and time records of a run, and ``not_measured``: the record fields that no record
+    measures in this run, each with why (e.g. ``live_tensor_peak_bytes`` when the live-tensor tracker is off).
 
     Example:
         >>> report = MemoryReport()
@@ -94,8 +95,9 @@ class MemoryReport:
         {'records': []}
     """
 
-    def __init__(self, records: list[StageRecord] | None = None) -> None:
+    def __init__(self, records: list[StageRecord] | None = None, not_measured: dict[str, str] | None = None) -> None:
         self.records: list[StageRecord] = list(records or [])
+        self.not_measured: dict[str, str] = dict(not_measured or {})
 
     def add(self, record: StageRecord) -> None:
         """Appends one record."""
@@ -117,7 +119,7 @@ class MemoryReport:
             if not timeline:
                 d.pop("timeline")
             out.append(d)
-        return {"records": out}
+        return {"records": out, **({"not_measured": dict(self.not_measured)} if self.not_measured else {})}
 
     def to_json(self, path: str | os.PathLike) -> Path:
         """Writes :meth:`to_dict` to ``path`` (atomically: a temporary file renamed into place)."""
@@ -138,7 +140,7 @@ class MemoryReport:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise ValueError(f"{path} is not a memsafe report: expected a JSON object with a 'records' list.")
-        return cls([StageRecord.from_dict(r) for r in data["records"]])
+        return cls([StageRecord.from_dict(r) for r in data["records"]], data.get("not_measured"))
 
     def to_markdown(self) -> str:
         """Renders the records as a markdown table (MiB figures, one row per hook/stage/rank)."""
@@ -155,6 +157,7 @@ class MemoryReport:
                 f"| {_mib(r.cpu_rss_delta_bytes)} | {_mib(r.cpu_anon_peak_bytes)} | {_mib(r.cpu_anon_delta_bytes)} "
                 f"| {_mib(r.device_peak_bytes)} | {_mib(r.live_tensor_peak_bytes)} | {note} |"
             )
+        lines += [f"\nNot measured: `{key}`: {why}" for key, why in self.not_measured.items()]
         return "\n".join(lines)
 
     def gather(self) -> MemoryReport:
@@ -167,12 +170,12 @@ class MemoryReport:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return MemoryReport(list(self.records))
+            return MemoryReport(list(self.records), self.not_measured)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.to_dict())
         records = [StageRecord.from_dict(r) for part in gathered for r in part["records"]]
         records.sort(key=lambda r: (r.rank, r.start_s))
-        return MemoryReport(records)
+        return MemoryReport(records, {k: v for part in gathered for k, v in part.get("not_measured", {}).items()})
 
     def __len__(self) -> int:
         return len(self.records)

@@ -24,7 +24,7 @@ def _setup(*, sdt: str, offload: bool, shuffle: bool, stock: bool, seed: int = 0
         acc = accelerate.Accelerator(dataloader_config=config)
         MemSafePlugin(stages=["shard"]).attach(acc, fsdp_plugin=fsdp_plugin)  # FSDP2 on CPU only
     else:
-        acc = Accelerator(plugins=[MemSafePlugin(optimizer_offload=offload)], fsdp_plugin=fsdp_plugin,
+        acc = Accelerator(plugins=[MemSafePlugin(optimizer_offload=offload, track_live_tensors=True)], fsdp_plugin=fsdp_plugin,
                           dataloader_config=config)
     model = build_llama("tiny", seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

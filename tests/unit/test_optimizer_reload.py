@@ -109,7 +109,7 @@ def test_reload_into_fresh_optimizer_is_bitwise_bounded_and_leaves_nothing_alive
 
 
 def test_reload_into_optimizer_with_state_reads_in_place(checkpoint):
-    acc, model, opt = _make(seed=1)
+    acc, model, opt = _make(MemSafePlugin(track_live_tensors=True), seed=1)
     _step(acc, model, opt, 7)  # the optimizer now holds state of its own
     before = {k: v.data_ptr() for k, v in _state_ptrs(opt.optimizer).items()}
     tracker, alive = _load_tracked(acc, checkpoint["path"])

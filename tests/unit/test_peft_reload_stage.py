@@ -28,7 +28,7 @@ def _peft_model():
 
 
 def _setup(model=None):
-    accelerator = Accelerator(plugins=[MemSafePlugin(stages=["peft_cpu_reload"])], cpu=True)
+    accelerator = Accelerator(plugins=[MemSafePlugin(stages=["peft_cpu_reload"], track_live_tensors=True)], cpu=True)
     model = _peft_model() if model is None else model
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, opt = accelerator.prepare(model, opt)

@@ -191,7 +191,11 @@ recs = acc.memsafe_plugin.report.records
 print(json.dumps({"peft_imported": "peft" in sys.modules, "probes": len(probed),
                   "measured": sum(len(r.segments) for r in recs if not r.details.get("background")),
                   "skipped": [(r.hook, r.stage, r.reason, r.wall_s, r.cpu_anon_peak_bytes, r.live_tensor_peak_bytes)
-                              for r in recs if r.status == "skipped"]}))
+                              for r in recs if r.status == "skipped"],
+                  "live": sorted({str(r.live_tensor_peak_bytes) for r in recs}),
+                  "anon_measured": all(r.cpu_anon_peak_bytes for r in recs if r.segments and not r.details.get("background")),
+                  "not_measured": acc.memsafe_plugin.report.to_dict().get("not_measured"),
+                  "markdown_note": "Not measured: `live_tensor_peak_bytes`" in acc.memsafe_plugin.report.to_markdown()}))
 '''
 
 
@@ -215,3 +219,6 @@ def test_default_pipeline_skips_cost_no_probe_and_no_import():
     assert skipped[("load_state", "peft_cpu_reload")] == ["no PEFT model", 0, None, None]
     for stage in ("meta_placement", "shard", "buffer_init", "optimizer_offload", "dataloader_resume"):
         assert skipped[("prepare", stage)][1:] == [0, None, None], (stage, skipped)
+    # the live-tensor tracker is off by default: no record claims a tensor peak, and the report says why
+    assert out["live"] == ["None"] and out["anon_measured"]
+    assert "tracker is off" in out["not_measured"]["live_tensor_peak_bytes"] and out["markdown_note"]
