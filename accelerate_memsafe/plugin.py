@@ -40,8 +40,9 @@ class MemSafePlugin:
     """Bound on rank 0's cast copies in flight while it sends weights at ``prepare`` (``load_source="rank0"``, and
     what rank 0 sends under ``"node"``). Each bucket is ``bucket_bytes // (prefetch_buckets + 2)`` bytes (16 MiB with
     the defaults): rank 0 keeps at most ``prefetch_buckets + 1`` buckets plus one conversion temporary alive, so
-    the total stays within ``bucket_bytes``; every other rank receives into one buffer of a bucket's size. Accepts
-    ``"32MiB"``, ``"500MB"``."""
+    the total stays within ``bucket_bytes``; every other rank receives its part of a bucket (at most a bucket divided
+    by the number of ranks) in place or into one of two alternating staging buffers. Accepts ``"32MiB"``,
+    ``"500MB"``."""
 
     prefetch_buckets: int = 2
     """How many buckets rank 0 reads ahead while the current one is sent (hard bound on what is in flight)."""
