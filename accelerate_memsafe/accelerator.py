@@ -141,6 +141,16 @@ class MemSafeMixin:
             ctx_rank = self.process_index
             self.memsafe_plugin.report.to_json(path.replace("{rank}", str(ctx_rank)))
 
+    def _memsafe_meta_gap(self, ctx: HookContext) -> str | None:
+        """Why the enabled prepare stages will not fill weights on ``meta`` here (``None``: they will)."""
+        stages = {s.name: s for s in self.memsafe_plugin.pipeline.stages.get("prepare", ())}
+        placement = stages.get("meta_placement")
+        if placement is None:
+            enabled = ", ".join(f"`{n}`" for n in stages) or "none"
+            return f"`meta_placement` is not among the enabled prepare stages ({enabled})"
+        reason = placement.skip_reason(ctx)
+        return None if reason is None else f"`meta_placement` does not run here ({reason})"
+
     # -- hooks --------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         ctx = self._memsafe_context("prepare", args)
@@ -153,6 +163,11 @@ class MemSafeMixin:
             )
         ctx.model = models[0][1] if models else None
         ctx.optimizers = [getattr(o, "optimizer", o) for o in optimizers]
+        if ctx.model is not None:
+            from .distributed.meta import refuse_unfilled_meta_weights
+
+            refuse_unfilled_meta_weights(ctx.model, self._memsafe_meta_gap(ctx), rank=ctx.rank, world_size=ctx.world_size,
+                                         timeout_s=self.memsafe_plugin.collective_timeout_s)
         # A call without a model or an optimizer (a Trainer prepares each dataloader alone) still runs the stages
         # (dataloader_resume records its dataloaders) but adds no records: one `prepare` pipeline per model.
         pipeline = self.memsafe_plugin.pipeline
@@ -223,7 +238,6 @@ class MemSafeMixin:
         result = self.memsafe_plugin.pipeline.run(ctx, upstream)
         self._memsafe_finish()
         return result
-
 
     # -- points where a background checkpoint commit is settled -------------------------------------
     def _memsafe_settle(self) -> None:

@@ -273,3 +273,62 @@ def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path:
         source.close()
         return None, set()
     return source, names
+
+
+def meta_weight_names(model: nn.Module) -> list[str]:
+    """Parameters and persistent buffers of ``model`` that are on ``meta`` (no data), each once.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     m = torch.nn.Linear(2, 3)
+        >>> meta_weight_names(m)
+        ['weight', 'bias']
+    """
+    return [m.name for m in weights_metadata(model) if m.on_meta]
+
+
+def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int, world_size: int,
+                                 timeout_s: float) -> None:
+    """Refuses, on every rank and before anything moves, a model that holds weights on ``meta`` on some rank
+    when no enabled stage will fill them (``gap`` says why; ``None``: the stages will, nothing to check).
+
+    Without the filling stages accelerate's own FSDP2 ``prepare`` cannot use such a model: with
+    ``cpu_ram_efficient_loading`` it broadcasts rank 0's weights but re-points the optimizer by data pointer,
+    which is 0 for every meta tensor (training runs on the wrong tensors until DCP refuses the first
+    ``save_state``); without it the first forward fails ("FSDP parameters should be materialized from meta").
+
+    Args:
+        model: The model passed to ``prepare``.
+        gap: Why the enabled stages will not fill meta weights here, or ``None``.
+        rank, world_size: This process and the job (one ``all_gather_object`` when ``world_size > 1`` and
+            ``gap`` is set: the same on every rank, since it depends on the configuration only).
+        timeout_s: Deadline of that collective.
+
+    Raises:
+        ConfigError: Naming the ranks, an example tensor, why nothing fills them, and the fixes.
+    """
+    if gap is None:
+        return
+    import torch.distributed as dist
+
+    from ..errors import ConfigError
+
+    local = meta_weight_names(model)
+    mine = (rank, len(local), local[:3])
+    everyone = [mine]
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        coll = Collectives("prepare_check", timeout_s=timeout_s)
+        everyone = coll.all_gather_object(mine, what="exchange of which ranks hold weights on meta")
+    bad = [(r, n, names) for r, n, names in everyone if n]
+    if not bad:
+        return
+    ranks = [r for r, _, _ in bad]
+    r, n, names = bad[0]
+    raise ConfigError(
+        f"`prepare`: the model holds weights on `meta` (no data) on rank(s) {ranks} ({n} tensor(s) on rank {r}, e.g. "
+        f"{', '.join(f'`{x}`' for x in names)}), and no enabled stage will fill them: {gap}. Nothing was moved. "
+        "accelerate's own prepare cannot fill them correctly (it re-points the optimizer by data pointer, 0 for "
+        "every meta tensor). HINT: keep the stages `meta_placement`, `shard` and `rank0_distribute` enabled "
+        "(the default `MemSafePlugin()`), or load real weights on every rank (transformers' `from_pretrained` "
+        "instead of `accelerate_memsafe.from_pretrained`)."
+    )

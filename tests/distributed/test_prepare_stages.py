@@ -159,3 +159,19 @@ def test_from_pretrained_before_process_group_raises(tiny_llama_dir):
     messages = run_on_ranks(w.from_pretrained_before_accelerator, 2, init_process_group=False, timeout=60, model_dir=str(tiny_llama_dir))
     for rank, msg in enumerate(messages):
         assert f"rank {rank} of a 2-process launch" in msg and "build the `Accelerator(...)` first" in msg
+
+
+def test_meta_weights_without_a_filling_stage_are_refused_on_every_rank_before_anything_moves(tiny_llama_dir):
+    # issue 15: without the prepare stages, stock accelerate trained on rank 1's meta weights (its optimizer
+    # re-pointed by data pointer) until DCP refused the first save_state
+    results = run_on_ranks(w.prepare_meta_without_filling_stages, 2, init_process_group=False, timeout=180,
+                           model_dir=str(tiny_llama_dir))
+    for rank, runs in enumerate(results):
+        for run in runs:
+            assert run["error"] == "ConfigError", (rank, run)
+            msg = run["message"]
+            assert "on `meta` (no data) on rank(s) [1]" in msg and "e.g. `model.embed_tokens.weight`" in msg, msg
+            assert "Nothing was moved" in msg and "HINT: keep the stages `meta_placement`, `shard` and `rank0_distribute`" in msg
+            assert run["unchanged"] and run["records"] == 0, (rank, run)
+        assert "`meta_placement` is not among the enabled prepare stages (none)" in runs[0]["message"]
+        assert "`meta_placement` is not among the enabled prepare stages (`dataloader_resume`)" in runs[1]["message"]

@@ -275,3 +275,31 @@ def from_pretrained_before_accelerator(rank: int, world_size: int, *, model_dir:
     except accelerate_memsafe.ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+def prepare_meta_without_filling_stages(rank: int, world_size: int, *, model_dir: str) -> list[dict[str, Any]]:
+    """``accelerate_memsafe.from_pretrained`` (rank 1 on meta) with pipelines that do not fill meta weights:
+    ``stages=[]`` with ``cpu_ram_efficient_loading=True`` (where stock accelerate trains on the wrong tensors
+    and DCP fails at the first save), and a stage list without the prepare stages. ``prepare`` must refuse on
+    every rank before anything moves."""
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe import MemSafePlugin
+
+    acc, _ = _accelerator({"stages": []}, efficient=True)
+    out = []
+    for stages in ([], ["atomic_checkpoint", "dataloader_resume"]):
+        acc.memsafe_plugin = MemSafePlugin(stages=stages)
+        model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        before = {n: (type(p).__name__, p.device.type) for n, p in model.named_parameters()}
+        try:
+            acc.prepare(model, opt)
+            error = message = None
+        except Exception as exc:
+            error, message = type(exc).__name__, str(exc)
+        after = {n: (type(p).__name__, p.device.type) for n, p in model.named_parameters()}
+        out.append({"stages": stages, "error": error, "message": message, "unchanged": before == after,
+                    "records": len(acc.memsafe_plugin.report.records)})
+    return out

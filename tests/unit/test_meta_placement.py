@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -126,3 +127,17 @@ def test_build_on_meta_matches_the_loaded_model(tiny_llama_dir):
         assert all(p.is_meta for p in meta.parameters())
         assert torch.equal(meta.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq), "real buffers"
         assert not meta.training
+
+
+def test_a_single_process_prepare_refuses_a_model_on_meta_with_the_reason():
+    # one process: `meta_placement` does not run (nothing to distribute), so nothing would fill the weights
+    from accelerate_memsafe import Accelerator, ConfigError, MemSafePlugin
+
+    acc = Accelerator(plugins=[MemSafePlugin()], cpu=True)
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"on rank\(s\) \[0\] \(2 tensor\(s\) on rank 0, e\.g\. `weight`, `bias`\).*"
+                                          r"`meta_placement` does not run here \(.+\)"):
+        acc.prepare(model, opt)
+    assert model.weight.is_meta and acc.memsafe_plugin.report.records == []
