@@ -577,6 +577,14 @@ def _load_through_optimizer(plan: OptimizerLoadPlan, state: Mapping[torch.Tensor
     optimizer.load_state_dict({"state": sd_state, "param_groups": sd_groups})
 
 
+def _set_nested(root: Any, path: tuple, value: Any) -> None:
+    """``root[path[0]][path[1]]... = value`` for the dicts and lists of a DCP template (``path`` as DCP's
+    ``flatten_state_dict`` maps a flat key)."""
+    for key in path[:-1]:
+        root = root[key]
+    root[path[-1]] = value
+
+
 def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -586,7 +594,14 @@ def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
 
         def load_bytes(self, read_item, value):
             value.seek(0)
-            self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+            loaded = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict and fqn in getattr(self, "mappings", {}):
+                # into the nested template, as DCP's own load_bytes does (the flat copy is not read back): the
+                # groups' hyper-parameters (a scheduled `lr`) must come from the checkpoint
+                _set_nested(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
 
     # DCP's reader keeps the previous item's temporary tensor alive while it reads the next one, so two
     # large items in one `dcp.load` would cost twice the largest tensor. Large items (more than half the

@@ -112,7 +112,7 @@ def _args(out: str, *, sft: bool, fsdp2: bool, max_steps: int = 4, **extra: Any)
         report_to=[], disable_tqdm=True, logging_steps=1, seed=0, data_seed=0, save_total_limit=2,
     )
     # the stock Trainer cannot run FSDP2 on CPU: with `use_cpu=True` it runs DDP over gloo (without, it refuses fsdp)
-    kwargs |= FSDP2_ARGS if fsdp2 else {"use_cpu": True}
+    kwargs |= FSDP2_ARGS if fsdp2 else {} if sft else {"use_cpu": True}
     kwargs |= extra
     if sft:
         from trl import SFTConfig
@@ -132,13 +132,25 @@ def _adapter(model) -> dict:
     return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _saved_adapter(model, checkpoint: str) -> dict:
-    from safetensors.torch import load_file
+def _snapshots():
+    """A callback keeping the trainable tensors as they were saved at each checkpoint (whatever the format:
+    peft's adapter files with FULL_STATE_DICT, DCP folders with SHARDED_STATE_DICT)."""
+    from transformers import TrainerCallback
 
-    from accelerate_memsafe.integrations.peft import adapter_parameter_map
+    class Snapshots(TrainerCallback):
+        saved: dict[int, dict] = {}
 
-    mapping = adapter_parameter_map(model, "default")
-    return {mapping[k][0]: v for k, v in load_file(os.path.join(checkpoint, "adapter_model.safetensors")).items()}
+        def on_save(self, args, state, control, model=None, **kwargs):
+            self.saved[state.global_step] = _adapter(model)
+
+    return Snapshots()
+
+
+def _recorded_best(checkpoint: str) -> str | None:
+    import json
+
+    path = os.path.join(checkpoint, "trainer_state.json")
+    return json.loads(open(path).read()).get("best_model_checkpoint") if os.path.isfile(path) else None
 
 
 def _records(trainer, hook: str | None = None) -> list[tuple]:
@@ -187,10 +199,16 @@ def _memory_run(model_dir: str, out: str, *, memsafe: bool) -> dict[str, Any]:
     return res
 
 
-def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | None = None) -> dict[str, Any]:
+#: What ``accelerate launch --use_fsdp --fsdp_version 2 --fsdp_cpu_ram_efficient_loading true`` exports.
+ACCELERATE_LAUNCH_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}
+
+
+def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | None = None,
+           launch: str = "torchrun") -> dict[str, Any]:
     """Trains LoRA on Llama ``small`` with FSDP2 for 4 steps (eval + checkpoint each step, the best is step 2) and
     loads the best at the end. ``plugin=False``: ``MemSafePlugin(stages=[])``, i.e. the stock Trainer and stock
-    accelerate, on the CPU FSDP2 state (the only way the stock Trainer runs FSDP2 on CPU)."""
+    accelerate, on the CPU FSDP2 state (the only way the stock Trainer runs FSDP2 on CPU). FSDP2 comes from the
+    ``TrainingArguments`` (``launch="torchrun"``) or from the variables ``accelerate launch`` exports."""
     import torch
     from peft import get_peft_model
     from torch.distributed.tensor import DTensor
@@ -199,7 +217,9 @@ def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | N
     from accelerate_memsafe import MemSafePlugin
     from accelerate_memsafe.integrations import MemSafeTrainerMixin
 
-    args = _args(out, sft=sft, fsdp2=True)  # first: it forms the process group that from_pretrained needs
+    if launch == "accelerate":
+        os.environ.update(ACCELERATE_LAUNCH_FSDP2)
+    args = _args(out, sft=sft, fsdp2=launch == "torchrun")  # first: it forms the process group from_pretrained needs
     if sft:
         from trl import SFTTrainer
 
@@ -214,8 +234,9 @@ def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | N
         torch.manual_seed(0)  # the LoRA init (SFTTrainer seeds it itself)
         model = get_peft_model(_load(model_dir, plugin), _lora())
     cls = _scripted(type("MemSafe" + base.__name__, (MemSafeTrainerMixin, base), {}))
+    snapshots = _snapshots()
     trainer = cls(model=model, args=args, train_dataset=_dataset(16, 1, hf=sft), eval_dataset=_dataset(4, 2, hf=sft),
-                  memsafe_plugin=MemSafePlugin() if plugin else MemSafePlugin(stages=[]), **extra)
+                  memsafe_plugin=MemSafePlugin() if plugin else MemSafePlugin(stages=[]), callbacks=[snapshots], **extra)
     trainer._evals = 0
     if resume is not None:
         trainer._evals = int(resume.rsplit("-", 1)[1])  # the metric script continues where the resumed run was
@@ -224,9 +245,12 @@ def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | N
     res = {
         "best": best,
         "adapter": _adapter(trainer.model),
-        "best_saved": _saved_adapter(trainer.model, best) if best else None,
-        "last_saved": _saved_adapter(trainer.model, os.path.join(out, "checkpoint-4")),
+        "saved": snapshots.saved,
+        "state_dict_type": str(trainer.accelerator.state.fsdp_plugin.state_dict_type).rsplit(".", 1)[-1],
+        # the best checkpoint as recorded in checkpoint 2 (the best step) by the save itself
+        "recorded_best": _recorded_best(os.path.join(out, "checkpoint-2")),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "distributed_type": str(trainer.accelerator.distributed_type),
         "sharded": sorted(n for n, p in trainer.model.named_parameters() if isinstance(p, DTensor)),
         "trainable": sorted(n for n, p in trainer.model.named_parameters() if p.requires_grad),
         "checkpoints": sorted(os.listdir(out)),
@@ -263,12 +287,14 @@ def trainer_suite(rank: int, world_size: int, *, big_dir: str, small_dir: str, o
         res["memory"][kind] = timed(f"memory-{kind}", _memory_run, big_dir, f"{out}/mem-{kind}", memsafe=kind == "memsafe")
     for sft in (False, True):
         name = "sft" if sft else "trainer"
+        launch = "accelerate" if sft else "torchrun"  # both launch styles, one each
         res[name] = {}
         for kind in ("stock", "memsafe"):
-            res[name][kind] = timed(f"{name}-{kind}", _train, f"{out}/{name}-{kind}", small_dir, plugin=kind == "memsafe", sft=sft)
+            res[name][kind] = timed(f"{name}-{kind}", _train, f"{out}/{name}-{kind}", small_dir, plugin=kind == "memsafe",
+                                    sft=sft, launch=launch)
         if rank == 0:
             os.rename(f"{out}/{name}-memsafe", f"{out}/{name}-moved")
         dist.barrier()
         res[name]["resumed"] = timed(f"{name}-resumed", _train, f"{out}/{name}-resumed", small_dir, plugin=True, sft=sft,
-                                     resume=f"{out}/{name}-moved/checkpoint-2")
+                                     resume=f"{out}/{name}-moved/checkpoint-2", launch=launch)
     return res

@@ -451,3 +451,37 @@ def test_the_cpu_reload_runs_no_garbage_collection_without_a_device_cache(tmp_pa
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append(a) or 0)
     stats = first._memsafe_reload_adapters(first.model, str(tmp_path / "checkpoint-1"), "test")
     assert stats[0].tensors > 0 and calls == []
+
+
+def test_a_sharded_optimizer_checkpoint_restores_the_groups_hyperparameters(tmp_path):
+    """Found by the SFTTrainer resume under `accelerate launch` (FSDP2, SHARDED_STATE_DICT): the DCP reload of
+    `optimizer_cpu_reload` kept each group's current hyper-parameters instead of the saved ones (DCP reads them
+    into its flat copy of the template, which was never read back), so the first step after a resume used the
+    learning rate of step 0."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from accelerate_memsafe.io.optimizer_state import execute_optimizer_load, plan_optimizer_load
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+
+    model, opt, sched = setup()
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path / "optimizer_0"))
+    fresh, fresh_opt, _ = setup()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        execute_optimizer_load(plan_optimizer_load(fresh_opt, ("dcp", tmp_path / "optimizer_0"), model=fresh))
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 0.25
+    assert fresh_opt.param_groups[0]["initial_lr"] == 1.0
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        assert all(torch.equal(opt.state[p][k], fresh_opt.state[q][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
