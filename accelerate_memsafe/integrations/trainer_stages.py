@@ -169,7 +169,9 @@ def trainer_pipeline(plugin: Any, hook: str, names: tuple[str, ...] | None = Non
     enabled = set(plugin.stage_names(hook))
     stages = tuple(cls(plugin) for cls in TRAINER_STAGES.get(hook, ())
                    if cls.name in enabled and (names is None or cls.name in names))
-    return Pipeline({hook: stages}, plugin.report, track_tensors=plugin.track_live_tensors)
+    pipeline = Pipeline({hook: stages}, plugin.report, track_tensors=plugin.track_live_tensors)
+    pipeline.origin = plugin.pipeline.origin  # one time axis for the whole report (start_s, timelines)
+    return pipeline
 
 
 def run_trainer_hook(pipeline: Pipeline, ctx: HookContext, upstream: Callable[[HookContext], Any], upstream_name: str) -> Any:

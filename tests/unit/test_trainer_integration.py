@@ -244,6 +244,8 @@ def test_the_trainers_accelerator_carries_the_plugin_and_records_one_pipeline_pe
     assert saves == [("atomic_checkpoint", "ran"), ("transformers.Trainer._save_checkpoint", "ran")] * 4
     loads = [(r.stage, r.status) for r in records if r.hook == "load_state"]
     assert loads == [("peft_cpu_reload", "ran")]  # load_best_model_at_end, CPU-first; the Trainer's own load skipped
+    starts = [r.start_s for r in records]  # one time axis: the records of the Trainer's hooks follow prepare's
+    assert starts == sorted(starts) and starts[0] > 0
     written = json.loads((tmp_path / "report-0.json").read_text())["records"]
     assert len(written) == len(records)
     summary = [line for line in lines if line.startswith("accelerate_memsafe (rank 0)")]
