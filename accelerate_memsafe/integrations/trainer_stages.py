@@ -59,9 +59,10 @@ class TrainerCheckpointStage(Stage):
     hooks = ("save_state",)
     summary = "Trainer checkpoints: written under a temporary name, fsynced, renamed into place; rotation after"
 
+    def skip_reason(self, ctx: HookContext) -> str | None:
+        return ctx.scratch.get("trainer_skip_atomic")  # decided by the Trainer's arguments: the same on every rank
+
     def run(self, ctx: HookContext) -> StageOutcome:
-        if ctx.scratch.get("trainer_skip_atomic"):
-            return skipped(ctx.scratch["trainer_skip_atomic"])
         final = Path(ctx.directory)
         temp = trainer_checkpoints.begin(final) if ctx.rank == 0 else None
         coll = _collectives(self.name, ctx)
@@ -98,10 +99,10 @@ class TrainerOptimizerReloadStage(Stage):
     hooks = ("load_state",)
     summary = "Trainer resume: optimizer state read in place / straight to CPU, device memory reclaimed"
 
+    def skip_reason(self, ctx: HookContext) -> str | None:
+        return ctx.scratch.get("trainer_skip_optimizer")
+
     def run(self, ctx: HookContext) -> StageOutcome:
-        reason = ctx.scratch.get("trainer_skip_optimizer")
-        if reason:
-            return skipped(reason)
         optimizer = ctx.scratch["trainer_optimizer"]
         directory = Path(ctx.directory)
         if ctx.is_fsdp2:
