@@ -235,8 +235,8 @@ class MemSafeTrainerMixin:
                 elif resume is not None:
                     atomic.check_loadable(resume, world_size=self.args.world_size)
                     choice = resume
-            except CheckpointError as exc:
-                choice = exc
+            except Exception as exc:  # every rank raises it, none waits for rank 0 in the broadcast
+                choice = exc if isinstance(exc, (CheckpointError, OSError, ValueError)) else RuntimeError(f"{type(exc).__name__}: {exc}")
         if coll is not None:
             choice = coll.broadcast_object(choice, what="the checkpoint to resume from")
         if isinstance(choice, Exception):
