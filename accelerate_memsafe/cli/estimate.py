@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPE_BYTES), help="dtype the model is loaded in")
     p.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISION, help="mixed precision (fp32 master weights)")
     p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPU offload: the shards stay in CPU memory on CUDA too")
     p.add_argument("--bucket-bytes", default="64MiB")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--budget-bytes", default=None, help="CPU memory of one node (default: detected MemAvailable)")
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     preds = predict(
         summary, num_processes=n, dtype=args.dtype, mixed_precision=args.mixed_precision,
         offload_optimizer=args.offload_optimizer, bucket_bytes=bucket_bytes, device=args.device, load_source=args.load_source,
+        cpu_offload=args.cpu_offload,
     )
     fits = {}
     for path in ("stock", "memsafe"):
@@ -117,12 +119,13 @@ def run(args: argparse.Namespace) -> int:
         fits[path] = {"node_peak_cpu_bytes": worst, "budget_bytes": budget, "fits": worst <= budget}
     code = 0 if fits["memsafe"]["fits"] else CHECK_FAILED
     if args.json:
-        print(json.dumps({"checkpoint": summary.__dict__, "num_processes": n, "num_processes_from": source,
+        print(json.dumps({"checkpoint": summary.to_dict(), "num_processes": n, "num_processes_from": source,
                           "predictions": to_dicts(preds), "fits": fits}))
         return code
     mib = 2**20
     print(f"checkpoint {summary.path}: {summary.num_tensors} tensors, {summary.numel:,} elements, "
-          f"{summary.checkpoint_bytes / mib:,.1f} MiB on disk; largest `{summary.largest_name}`")
+          f"{summary.checkpoint_bytes / mib:,.1f} MiB on disk; largest `{summary.largest_name}`; model tensors from "
+          f"{summary.layout_from}")
     print(f"{n} processes (from {source}), load dtype {args.dtype}, mixed precision {args.mixed_precision}, "
           f"device {args.device}\n")
     print("| hook | stage | rank | path | CPU private MiB | CPU RSS MiB | device MiB |")

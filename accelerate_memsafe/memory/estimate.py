@@ -1,25 +1,58 @@
-"""Predict each stage's peak memory per rank from checkpoint headers only (no tensor data is read).
+"""Predict each stage's peak memory per rank from a checkpoint's headers and config (no tensor data is read).
 
-The formulas follow what each path does (see docs/prepare.md and docs/benchmarks.md) and are checked
-against the prepare benchmark by ``tests/distributed/test_estimate_vs_benchmark.py``. With N ranks,
-P = model bytes in the training dtype, T = the largest tensor in the training dtype, B = ``bucket_bytes``:
+Every figure is the peak of private memory (RssAnon) over the stage's start, what the plugin's report
+records (``cpu_anon_peak_bytes - cpu_anon_start_bytes``). Each term follows what the code does; none is
+fitted to a benchmark. ``benchmarks/estimate.py`` measures them on models the terms were not derived from
+(docs/benchmarks.md, "Estimate vs measured").
 
-=====================  ==========================================  ==========================================
-path / stage           rank 0 (private memory)                      other ranks (private memory)
-=====================  ==========================================  ==========================================
-stock prepare          P/N (+ P if fp32 master weights are made    P/N + 2T (+ P if fp32 master weights are
-                       from a lower-precision checkpoint);          made); every rank maps the whole file
-                       RSS adds the whole file (mapped pages)
-memsafe prepare        P/N + 1.5·B (cast copies, scatter buffers)  P/N + B/(prefetch+2) (one receive buffer)
-optimizer (AdamW)      2·P/N created at the first step (on CPU with ``optimizer_offload``)
-stock load_state       2·S (old and new state alive)               S = 2·P/N, the local optimizer state
-memsafe load_state     S + largest state tensor/N (read in place)
-=====================  ==========================================  ==========================================
+The tensors are the model's, not the file's: the model is built on ``meta`` from ``config.json`` (nothing is
+allocated), so transformers' conversions are seen (a Qwen3-MoE checkpoint stores one tensor per expert, the
+model one fused 3-D tensor per layer). A parameter stored under its own name and shape in the load dtype
+is mapped zero-copy by transformers (rank 0's copy is the file's bytes: ``every_rank`` can read it); any
+other is built in private memory at load and travels through rank 0's scatter. Without a usable config
+the checkpoint's tensors are taken as the parameters.
+
+With N ranks, B = ``bucket_bytes``, k = ``prefetch_buckets``, b = max(16·N, B // (k + 2)) (one bucket's
+budget), every size in the training dtype (fp32 under mixed precision):
+
+* shard: each parameter's dim-0 chunk padded to ceil(rows / N) rows, as FSDP2 stores it on every rank
+  (10 experts on 4 ranks: 3 rows on each), plus the replicated tensors (persistent buffers);
+* P: every tensor; T: the largest; C: what the load built in private memory (in the load dtype).
+
+Per stage, rank 0 / the other ranks:
+
+* ``meta_placement``: rank 0 reads the pagemap of the weights it maps, twice (one int64 per 4 KiB page, with a
+  mask and its prefix sum: ``PAGEMAP_SCANS`` × ``PAGEMAP_BYTES_PER_PAGE`` per page); 0 elsewhere.
+* ``shard``: ``FULLY_SHARD_OVERHEAD`` (``fully_shard`` on ``meta`` allocates no weight).
+* ``rank0_distribute``: shard + max(chunk, ring + piece) / shard + max(chunk, receive), plus one group of
+  replicated tensors (at most b) and ``DISTRIBUTE_OVERHEAD``, where
+
+  - chunk (``every_rank``: each rank reads the mapped weights itself): one read of file rows, at most b, when
+    the dtype must change (or the shard is on a device); 0 when the rows go straight into the shard;
+  - ring (rank 0 scatters the rest, S bytes in all ranks' slots): at most k + 1 reused buffers of b, of which
+    rank 0 writes the other ranks' slots ((N - 1) / N; its own piece goes straight into its shard):
+    (N - 1) / N · min((k + 1)·b, S);
+  - piece: when rank 0 re-reads a mapped weight from the file and casts it, one slot's rows (b / N) in the
+    file dtype;
+  - receive: one buffer of a rank's slot, min(b / N, S / N).
+
+* ``buffer_init``, ``accelerate.prepare`` after the plugin's stages: 0 (the model is sharded and filled).
+* stock ``accelerate.prepare``: shard + U + ``FULLY_SHARD_OVERHEAD``, ranks > 0 + 2T. U = P - C when mixed
+  precision upcasts a lower-precision load (fp32 copies of every weight on every rank, kept until the end of
+  accelerate's prepare; the private low-precision copies they replace are freed); ranks > 0 receive each whole
+  tensor (T) and ``distribute_tensor`` splits it (up to another T of chunks and output).
+* ``load_state``: AdamW state S = 2·P(fp32)/N; stock holds the old and the new (2·S), the plugin S + the
+  largest state tensor / N.
+
+``node``: any rank may lead its node and stage its node's buckets, so every rank gets rank 0's figure. On
+CUDA (without CPU offload) the shard, ring and receive buffer are device memory; the CPU keeps the chunks.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -27,10 +60,67 @@ import torch
 #: Bytes per element of the training dtypes the CLI accepts.
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
+MIB = 2**20
+#: ``fully_shard``'s own bookkeeping (FSDP states, hooks, DTensor specs), per rank: the ``shard`` stage measured
+#: 1.6-1.7 MiB on a trivial model (the ``tiny`` Llama, 107 k parameters, 2 and 4 ranks:
+#: ``python benchmarks/estimate.py --cases trivial-fp32-2,trivial-bf16-4``), and stock accelerate's prepare,
+#: which makes the same calls, 2.0-2.7 MiB with its 0.2-0.4 MiB of weights. Measured once, not per model.
+FULLY_SHARD_OVERHEAD = int(1.7 * MIB)
+#: ``rank0_distribute``'s bookkeeping (all-gathered layouts and blocks, the bucket plan, the collectives'
+#: objects): 0.4-0.6 MiB above the weights on the same trivial model, 2 and 4 ranks.
+DISTRIBUTE_OVERHEAD = int(0.5 * MIB)
+#: ``meta_placement`` on rank 0 checks that the weights it maps still hold the file's bytes: it reads one 8-byte
+#: ``/proc/self/pagemap`` entry per 4 KiB page and derives a written-page mask (1 byte) and its prefix sum
+#: (8 bytes; ``cumsum`` makes an int64 copy of the mask and an int64 result first: 16 bytes): 33 bytes per page
+#: at the peak of one scan (``io/mapped_pages.unmodified_file_pages``).
+PAGEMAP_BYTES_PER_PAGE = 33
+#: Scans rank 0 makes of the same pages (``checkpoint_source_names``, then ``Rank0Source``'s ``CleanFilePages``);
+#: the allocator may keep the first one's freed arrays while the second runs.
+PAGEMAP_SCANS = 2
+_PAGE = 4096
+#: Byte alignment of the bucket budget per rank (``distributed/plan.py``).
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor that ``prepare`` places on every rank.
+
+    Args:
+        name: Its name in the model.
+        shape: Its shape.
+        file_itemsize: Bytes per element in the checkpoint when the checkpoint stores it under this name and
+            shape (transformers can map it as it is); ``None`` when the model builds it (fused, renamed).
+        floating: Whether mixed precision makes it an fp32 master weight.
+        sharded: A parameter (FSDP2 shards dim 0); ``False`` for a persistent buffer (replicated).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    file_itemsize: int | None
+    floating: bool = True
+    sharded: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+    def padded_rows(self, world_size: int) -> int:
+        """Rows of one rank's shard as FSDP2 stores it: ``torch.chunk``'s chunk, padded on every rank."""
+        return -(-self.rows // max(1, world_size))
+
 
 @dataclass(frozen=True)
 class CheckpointSummary:
-    """What the safetensors headers say about a checkpoint."""
+    """What the safetensors headers (and the config, when the model can be built on ``meta``) say."""
 
     path: str
     num_tensors: int
@@ -39,10 +129,19 @@ class CheckpointSummary:
     largest_name: str
     largest_numel: int
     dtypes: dict[str, int] = field(default_factory=dict)
+    tensors: tuple[TensorSpec, ...] = ()
+    """The model's tensors (empty: the checkpoint's tensors, as if they were the parameters)."""
+    layout_from: str = "headers"
+    """Where ``tensors`` come from: ``"<Architecture> on meta"`` or ``"headers"`` (with the reason)."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready, without the per-tensor list."""
+        return {k: v for k, v in asdict(self).items() if k != "tensors"} | {"model_tensors": len(self.tensors)}
 
 
 def summarize_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
-    """Reads the safetensors headers (or index + headers) of a checkpoint directory or file.
+    """Reads the safetensors headers (or index + headers) of a checkpoint, and the model's tensor layout
+    from its ``config.json`` (built on ``meta``: no memory, no tensor data read).
 
     Raises:
         CheckpointError: If no safetensors checkpoint is found or an index names a missing file.
@@ -54,46 +153,218 @@ def summarize_checkpoint(path: str | os.PathLike) -> CheckpointSummary:
 
     src = SafetensorsSource(path)
     try:
-        numel = 0
-        nbytes = 0
-        largest = ("", 0)
-        dtypes: dict[str, int] = {}
-        for name, e in src.entries.items():
-            n = 1
-            for d in e.shape:
-                n *= d
-            numel += n
-            nbytes += n * torch.empty((), dtype=e.dtype).element_size()
-            dtypes[str(e.dtype).replace("torch.", "")] = dtypes.get(str(e.dtype).replace("torch.", ""), 0) + n
-            if n > largest[1]:
-                largest = (name, n)
-        return CheckpointSummary(str(path), len(src.entries), numel, nbytes, largest[0], largest[1], dtypes)
+        entries = dict(src.entries)
     finally:
         src.close()
+    numel = nbytes = 0
+    largest = ("", 0)
+    dtypes: dict[str, int] = {}
+    for name, e in entries.items():
+        n = math.prod(e.shape)
+        numel += n
+        nbytes += n * e.dtype.itemsize
+        key = str(e.dtype).replace("torch.", "")
+        dtypes[key] = dtypes.get(key, 0) + n
+        if n > largest[1]:
+            largest = (name, n)
+    tensors, layout_from = model_tensors(path, entries)
+    return CheckpointSummary(str(path), len(entries), numel, nbytes, largest[0], largest[1], dtypes, tensors, layout_from)
 
 
-def distribute_peak_bytes(model_bytes: int, *, world_size: int, rank: int, bucket_bytes: int, prefetch_buckets: int,
-                          load_source: str = "rank0", cast: bool = False) -> int:
-    """Predicted private memory of ``rank0_distribute`` on one rank: its own shard plus bounded staging.
+def model_tensors(path: str | os.PathLike, entries: dict) -> tuple[tuple[TensorSpec, ...], str]:
+    """The model's parameters and persistent buffers, matched with the checkpoint's ``entries``; the
+    checkpoint's own tensors when the model cannot be built from ``path``'s config (said in the second item)."""
+    model, why = _model_on_meta(path)
+    if model is None:
+        return tuple(TensorSpec(n, tuple(e.shape), e.dtype.itemsize, e.dtype.is_floating_point) for n, e in entries.items()), \
+            f"headers ({why})"
+    out = []
+    seen: set[int] = set()
 
-    ``load_source="rank0"``: rank 0 holds at most ``bucket_bytes`` of cast copies (measured: about 1.5x
-    with the scatter buffers and allocator slack); another rank one receive buffer of
-    ``bucket_bytes // (prefetch_buckets + 2)``. ``"every_rank"``: every rank reads its block straight into
-    its shard, through one chunk of that size when it must cast (``cast``: file dtype != training dtype).
-    ``"node"``: any rank may lead its node and stage its node's buckets, so every rank gets rank 0's bound.
+    def spec(name: str, t: torch.Tensor, sharded: bool) -> TensorSpec:
+        e = entries.get(name)
+        same = e is not None and tuple(e.shape) == tuple(t.shape)
+        return TensorSpec(name, tuple(t.shape), e.dtype.itemsize if same else None, t.is_floating_point(), sharded)
+
+    for name, p in model.named_parameters():
+        seen.add(id(p))
+        out.append(spec(name, p, True))
+    for mod_name, mod in model.named_modules():
+        for local, b in mod._buffers.items():
+            if b is None or id(b) in seen or local in mod._non_persistent_buffers_set:
+                continue
+            seen.add(id(b))
+            out.append(spec(f"{mod_name}.{local}" if mod_name else local, b, False))
+    return tuple(out), f"{type(model).__name__} on meta"
+
+
+def _model_on_meta(path: str | os.PathLike):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None, "no config.json"
+    try:
+        import transformers
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        arch = (getattr(config, "architectures", None) or [None])[0]
+        cls = getattr(transformers, arch, None) if arch else None
+        with torch.device("meta"):
+            if cls is not None:
+                return cls._from_config(config), None
+            return transformers.AutoModelForCausalLM.from_config(config), None
+    except Exception as exc:  # any model transformers cannot build here: fall back to the headers
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def tensors_of_model(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
+    """The :class:`TensorSpec`\\ s of a model in memory (the preflight check), in the dtype it holds now."""
+    out = []
+    seen: set[int] = set()
+    for _, p in model.named_parameters():
+        seen.add(id(p))
+        out.append(TensorSpec("", tuple(p.shape), p.element_size(), p.is_floating_point(), True))
+    for mod in model.modules():
+        for local, b in mod._buffers.items():
+            if b is not None and id(b) not in seen and local not in mod._non_persistent_buffers_set:
+                seen.add(id(b))
+                out.append(TensorSpec("", tuple(b.shape), b.element_size(), b.is_floating_point(), False))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensors of one ``prepare`` on ``world_size`` ranks and the byte counts every term is made of."""
+
+    tensors: tuple[TensorSpec, ...]
+    world_size: int
+    load_bytes: int
+    """Bytes per element of the floating tensors as loaded (``--dtype``)."""
+    mixed_precision: str
+    shard: int = 0
+    """Bytes one rank holds after the load: its padded shards plus the replicated tensors."""
+    full: int = 0
+    """P: every tensor in the training dtype."""
+    largest: int = 0
+    """T: the largest tensor in the training dtype."""
+    mapped: int = 0
+    """File bytes transformers maps zero-copy (stored under the tensor's name and shape in the load dtype)."""
+    converted: int = 0
+    """C: bytes of the load built in private memory, in the load dtype."""
+
+    def itemsize(self, t: TensorSpec) -> int:
+        """Bytes per element of ``t`` in training: fp32 master weights under mixed precision."""
+        if not t.floating:
+            return t.file_itemsize or 8
+        return 4 if self.mixed_precision != "no" else self.load_bytes
+
+    def is_mapped(self, t: TensorSpec) -> bool:
+        """Whether rank 0's copy of ``t`` is the file's bytes (every rank can then read it itself)."""
+        return t.file_itemsize is not None and t.file_itemsize == (self.load_bytes if t.floating else t.file_itemsize)
+
+    def block_bytes(self, t: TensorSpec, itemsize: int | None = None) -> int:
+        """One rank's padded block of ``t`` (its whole size when replicated)."""
+        size = self.itemsize(t) if itemsize is None else itemsize
+        return (t.padded_rows(self.world_size) * t.row_numel if t.sharded else t.numel) * size
+
+
+def layout(tensors: Iterable[TensorSpec], *, world_size: int, load_bytes: int, mixed_precision: str) -> Layout:
+    """Sums the tensors' bytes for ``world_size`` ranks, loaded with ``load_bytes`` per element and trained in
+    fp32 under mixed precision.
 
     Example:
-        >>> distribute_peak_bytes(400, world_size=2, rank=1, bucket_bytes=64, prefetch_buckets=2)
-        216
-        >>> distribute_peak_bytes(400, world_size=2, rank=0, bucket_bytes=64, prefetch_buckets=2, load_source="every_rank")
-        200
+        >>> lay = layout([TensorSpec("experts", (10, 4, 4), 2)], world_size=4, load_bytes=2, mixed_precision="bf16")
+        >>> lay.shard, lay.full  # 3 padded rows of 16 fp32 on each rank; 160 fp32 in all
+        (192, 640)
     """
-    shard = model_bytes // max(1, world_size)
-    if load_source == "every_rank":
-        return shard + (min(bucket_bytes // (prefetch_buckets + 2), shard) if cast else 0)
-    if rank == 0 or load_source == "node":
-        return shard + min(int(1.5 * bucket_bytes), model_bytes)
-    return shard + min(bucket_bytes // (prefetch_buckets + 2), shard)
+    base = Layout(tuple(tensors), max(1, world_size), load_bytes, mixed_precision)
+    shard = full = largest = mapped = converted = 0
+    for t in base.tensors:
+        nbytes = t.numel * base.itemsize(t)
+        full += nbytes
+        largest = max(largest, nbytes)
+        shard += base.block_bytes(t)
+        loaded = t.numel * (load_bytes if t.floating else (t.file_itemsize or 8))
+        if base.is_mapped(t):
+            mapped += loaded
+        else:
+            converted += loaded
+    return Layout(base.tensors, base.world_size, load_bytes, mixed_precision, shard, full, largest, mapped, converted)
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """Predicted peak extra memory of one stage on one rank: CPU private bytes and device bytes."""
+
+    cpu: int
+    device: int = 0
+
+
+def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_buckets: int, load_source: str,
+                    on_device: bool = False) -> StagePeak:
+    """``rank0_distribute`` on one rank (see the module docstring for each term).
+
+    Args:
+        lay: From :func:`layout`.
+        rank: The rank.
+        bucket_bytes: The plugin's ``bucket_bytes``.
+        prefetch_buckets: The plugin's ``prefetch_buckets``.
+        load_source: ``"every_rank"`` (what ``auto`` does when every rank sees the checkpoint: each rank reads
+            the mapped tensors itself, rank 0 scatters the others), ``"rank0"`` or ``"node"``.
+        on_device: The shards live on the accelerator (CUDA without CPU offload).
+
+    Example:
+        >>> lay = layout([TensorSpec("w", (1024, 1024), 4)], world_size=2, load_bytes=4, mixed_precision="no")
+        >>> peak = distribute_peak(lay, rank=0, bucket_bytes=4 << 20, prefetch_buckets=2, load_source="rank0")
+        >>> (peak.cpu - DISTRIBUTE_OVERHEAD) >> 10  # 2 MiB shard + half of a 3 x 1 MiB ring
+        3584
+    """
+    n = lay.world_size
+    budget = max(_ALIGN * n, bucket_bytes // (prefetch_buckets + 2))
+    local = [t for t in lay.tensors if load_source == "every_rank" and lay.is_mapped(t)]
+    chunk = 0
+    for t in local:  # read in chunks of at most the budget when it must cast (or the shard is on a device)
+        if t.file_itemsize != lay.itemsize(t) or on_device:
+            chunk = max(chunk, min(budget, lay.block_bytes(t, t.file_itemsize)))
+    ids = {id(t) for t in local}
+    scattered = [t for t in lay.tensors if id(t) not in ids and t.sharded]
+    replicated = sum(t.numel * lay.itemsize(t) for t in lay.tensors if id(t) not in ids and not t.sharded)
+    sent = n * sum(lay.block_bytes(t) for t in scattered)
+    buffers = piece = 0  # the ring or the receive buffer (on the collectives' device); the cast read (CPU)
+    if sent and (rank == 0 or load_source == "node"):
+        # the other ranks' slots of at most k + 1 buckets (rank 0 reads its own piece into its shard), and
+        # one slot's file rows when it re-reads a mapped weight from the file and casts it
+        buffers = min((prefetch_buckets + 1) * budget, sent) * (n - 1) // n
+        piece = max((min(budget // n, lay.block_bytes(t)) * t.file_itemsize // lay.itemsize(t)
+                     for t in scattered if lay.is_mapped(t) and t.file_itemsize != lay.itemsize(t)), default=0)
+    elif sent:
+        buffers = min(budget // n, sent // n)  # one receive buffer of a rank's slot
+    group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
+    if on_device:
+        return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
+    return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
+
+
+def pagemap_scan_bytes(mapped_bytes: int) -> int:
+    """Rank 0's scans of the pagemap of ``mapped_bytes`` of mapped weights (whether they still hold the file's bytes).
+
+    Example:
+        >>> pagemap_scan_bytes(4096 * 1000)
+        66000
+    """
+    return PAGEMAP_SCANS * PAGEMAP_BYTES_PER_PAGE * -(-mapped_bytes // _PAGE)
+
+
+def meta_placement_peak(lay: Layout, *, rank: int) -> int:
+    """``meta_placement`` on one rank: rank 0's pagemap scans of the weights transformers mapped."""
+    return pagemap_scan_bytes(lay.mapped) if rank == 0 else 0
+
+
+def stock_prepare_peak(lay: Layout, *, rank: int) -> int:
+    """Stock accelerate's FSDP2 ``prepare`` (``cpu_ram_efficient_loading``) on one rank, CPU private bytes."""
+    upcast = lay.mixed_precision != "no" and lay.load_bytes != 4
+    up = max(0, lay.full - lay.converted) if upcast else 0
+    receive = 2 * lay.largest if rank > 0 else 0
+    return lay.shard + up + receive + FULLY_SHARD_OVERHEAD
 
 
 @dataclass(frozen=True)
@@ -109,6 +380,17 @@ class Prediction:
     device_bytes: int
 
 
+def _tensors(summary: CheckpointSummary) -> tuple[TensorSpec, ...]:
+    if summary.tensors:
+        return summary.tensors
+    # totals only (a summary built by hand): the largest tensor and the rest as one block of whole rows
+    rest = summary.numel - summary.largest_numel
+    out = [TensorSpec(summary.largest_name or "largest", (summary.largest_numel,), None)]
+    if rest > 0:
+        out.append(TensorSpec("rest", (rest,), None))
+    return tuple(out)
+
+
 def predict(
     summary: CheckpointSummary,
     *,
@@ -120,6 +402,7 @@ def predict(
     prefetch_buckets: int = 2,
     device: str = "cpu",
     load_source: str = "auto",
+    cpu_offload: bool = False,
 ) -> list[Prediction]:
     """Per-stage, per-rank predictions for the stock path and for the plugin.
 
@@ -134,58 +417,55 @@ def predict(
         device: ``"cpu"`` or ``"cuda"``: on CUDA the shards and optimizer state are device memory.
         load_source: The plugin's ``load_source``; ``"auto"`` is predicted as ``"every_rank"`` (what it
             chooses when every rank sees the checkpoint: one node, or a shared filesystem).
+        cpu_offload: FSDP2 CPU offload: the shards stay in CPU memory on CUDA too.
 
     Returns:
         One :class:`Prediction` per (hook, stage, rank, path).
 
+    Raises:
+        ValueError: For an unknown ``dtype``.
+
     Example:
         >>> s = CheckpointSummary("x", 2, 2_000_000, 8_000_000, "w", 1_000_000)
-        >>> [p.cpu_anon_bytes for p in predict(s, num_processes=2, load_source="rank0") if p.stage == "rank0_distribute"][:2]
-        [12000000, 8000000]
+        >>> [p.cpu_anon_bytes >> 20 for p in predict(s, num_processes=2, load_source="rank0") if p.stage == "rank0_distribute"]
+        [8, 8]
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}.")
     n = max(1, num_processes)
-    load_bytes = DTYPE_BYTES[dtype]
-    upcast = mixed_precision != "no" and load_bytes != 4
-    train_bytes = 4 if mixed_precision != "no" else load_bytes
-    P = summary.numel * train_bytes
-    T = summary.largest_numel * train_bytes
-    shard = P // n
-    on_device = device != "cpu"
+    lay = layout(_tensors(summary), world_size=n, load_bytes=DTYPE_BYTES[dtype], mixed_precision=mixed_precision)
+    on_device = device != "cpu" and not cpu_offload
+    source = "every_rank" if load_source == "auto" else load_source
+    upcast = mixed_precision != "no" and DTYPE_BYTES[dtype] != 4
+    state = 2 * sum(t.numel for t in lay.tensors if t.sharded) * 4 // n
+    largest_state = max((t.numel for t in lay.tensors if t.sharded), default=0) * 4 // n
+    cpu_state = offload_optimizer or device == "cpu"
+    # the cheap per-rank profiles: rank 0 and the others differ, the others are alike
+    profiles = {}
+    for kind in (0, 1):
+        stock_cpu = stock_prepare_peak(lay, rank=kind)
+        dist = distribute_peak(lay, rank=kind, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets,
+                               load_source=source, on_device=on_device)
+        profiles[kind] = (stock_cpu, dist, meta_placement_peak(lay, rank=kind))
     out: list[Prediction] = []
-
-    def add(hook, stage, rank, path, anon, rss_extra=0, dev=0):
-        if on_device:  # shards live on the device; the CPU keeps only the staging copies
-            out.append(Prediction(hook, stage, rank, path, max(0, anon - shard), max(0, anon - shard) + rss_extra, dev))
-        else:
-            out.append(Prediction(hook, stage, rank, path, anon, anon + rss_extra, 0))
-
     for rank in range(n):
-        # stock accelerate: upcast on every rank, broadcast full tensors, distribute_tensor
-        up = P if upcast else 0
-        if rank == 0:
-            add("prepare", "accelerate.prepare", rank, "stock", shard + up, summary.checkpoint_bytes, shard + T)
+        stock_cpu, dist, meta = profiles[0 if rank == 0 else 1]
+        mapped_read = lay.mapped if (rank == 0 or upcast) else 0  # file pages stock reads through its mapping
+        if on_device:
+            cpu = stock_cpu - lay.shard
+            out.append(Prediction("prepare", "accelerate.prepare", rank, "stock", cpu, cpu + mapped_read, lay.shard + lay.largest))
         else:
-            add("prepare", "accelerate.prepare", rank, "stock", shard + up + 2 * T, summary.checkpoint_bytes if not upcast else 0, shard + T)
-        # the plugin: nothing before the scatter, then own shard + bounded staging
-        for stage in ("meta_placement", "shard"):
-            add("prepare", stage, rank, "memsafe", 0, 0, 0)
-        # staging is bounded by the bucket, and cannot exceed what there is to send
-        source = "every_rank" if load_source == "auto" else load_source
-        peak = distribute_peak_bytes(P, world_size=n, rank=rank, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets,
-                                     load_source=source, cast=upcast)
-        staging = min(bucket_bytes, P) if (rank == 0 and source == "rank0") or source == "node" else 0
-        add("prepare", "rank0_distribute", rank, "memsafe", peak, 0, shard + staging)
-        add("prepare", "buffer_init", rank, "memsafe", 0, 0, 0)
+            out.append(Prediction("prepare", "accelerate.prepare", rank, "stock", stock_cpu, stock_cpu + mapped_read, 0))
+        out.append(Prediction("prepare", "meta_placement", rank, "memsafe", meta, meta, 0))
+        out.append(Prediction("prepare", "shard", rank, "memsafe", FULLY_SHARD_OVERHEAD, FULLY_SHARD_OVERHEAD, 0))
+        out.append(Prediction("prepare", "rank0_distribute", rank, "memsafe", dist.cpu, dist.cpu, dist.device))
+        out.append(Prediction("prepare", "buffer_init", rank, "memsafe", 0, 0, 0))
+        out.append(Prediction("prepare", "accelerate.prepare", rank, "memsafe", 0, 0, 0))
         # optimizer state (AdamW: two fp32 moments per trainable element)
-        state = 2 * (summary.numel * 4) // n
-        largest_state = summary.largest_numel * 4 // n
-        cpu_state = offload_optimizer or not on_device
         for path, peak in (("stock", 2 * state), ("memsafe", state + largest_state)):
             stage = "accelerate.load_state" if path == "stock" else "optimizer_cpu_reload"
-            if path == "stock" and offload_optimizer and on_device:
-                # stock loads onto the device first (on_device) and moves afterwards
+            if path == "stock" and offload_optimizer and device != "cpu":
+                # stock loads onto the device first and moves afterwards
                 out.append(Prediction("load_state", stage, rank, path, peak, peak, peak))
             elif cpu_state:
                 out.append(Prediction("load_state", stage, rank, path, peak, peak, 0))

@@ -21,7 +21,7 @@ from ..distributed.meta import (
     parallelism_blocks_meta_placement,
 )
 from ..distributed.source import Rank0Source
-from ..pipeline import HookContext, Stage, StageOutcome, ran
+from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran
 
 #: ``ctx.scratch`` key of rank 0's weight source (``Rank0Source``); ``None`` on other ranks.
 SOURCE_KEY = "rank0_source"
@@ -48,6 +48,15 @@ class MetaPlacementStage(Stage):
         if ctx.world_size < 2:
             return "single process: nothing to distribute"
         return parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
+
+    def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
+        # rank 0 scans the pagemap of the weights it holds on the CPU (whether they are the file's bytes)
+        if ctx.rank != 0 or not ctx.is_fsdp2 or ctx.model is None or ctx.world_size < 2:
+            return None
+        from ..memory.estimate import pagemap_scan_bytes
+
+        held = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.device.type == "cpu")
+        return MemoryEstimate(cpu_bytes=pagemap_scan_bytes(held), what="rank 0's pagemap scan of the weights it maps")
 
     def run(self, ctx: HookContext) -> StageOutcome:
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)

@@ -29,19 +29,23 @@ class Rank0DistributeStage(Stage):
         # called before any prepare stage ran: parameters still have their full shapes
         if not ctx.is_fsdp2 or ctx.model is None or ctx.world_size <= 1:
             return None
-        from ..memory.estimate import distribute_peak_bytes
+        from torch.distributed.fsdp import CPUOffloadPolicy
 
-        total = sum(p.numel() * p.element_size() for p in ctx.model.parameters())
-        peak = distribute_peak_bytes(
-            total, world_size=ctx.world_size, rank=ctx.rank,
-            bucket_bytes=self.options.bucket_bytes, prefetch_buckets=self.options.prefetch_buckets,
-        )
-        on_device = ctx.device.type != "cpu"
-        shard = total // max(1, ctx.world_size)
+        from ..memory.estimate import distribute_peak, layout, tensors_of_model
+
+        tensors = tensors_of_model(ctx.model)
+        load_bytes = max((t.file_itemsize for t in tensors if t.floating), default=4)
+        lay = layout(tensors, world_size=ctx.world_size, load_bytes=load_bytes, mixed_precision=ctx.mixed_precision)
+        on_device = ctx.device.type != "cpu" and not isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
+        # `auto` picks its source only when it runs: the larger of what each choice would need
+        sources = ("every_rank", "rank0") if self.options.load_source == "auto" else (self.options.load_source,)
+        peaks = [distribute_peak(lay, rank=ctx.rank, bucket_bytes=self.options.bucket_bytes,
+                                 prefetch_buckets=self.options.prefetch_buckets, load_source=s, on_device=on_device)
+                 for s in sources]
         return MemoryEstimate(
-            cpu_bytes=peak - shard if on_device else peak,
-            device_bytes=shard if on_device else 0,
-            what=f"its shard of {total / 2**30:.2f} GiB of weights plus the scatter buckets",
+            cpu_bytes=max(p.cpu for p in peaks),
+            device_bytes=max(p.device for p in peaks),
+            what=f"its shard of {lay.full / 2**30:.2f} GiB of weights plus the scatter buckets",
         )
 
     def skip_reason(self, ctx: HookContext) -> str | None:

@@ -1,16 +1,36 @@
-"""`accelerate-memsafe estimate`: per-stage predictions from headers only."""
+"""`accelerate-memsafe estimate`: per-stage predictions from headers and config only, term by term."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from accelerate_memsafe.cli.main import main
-from accelerate_memsafe.memory.estimate import CheckpointSummary, predict, summarize_checkpoint
+from accelerate_memsafe.memory.estimate import (
+    DISTRIBUTE_OVERHEAD,
+    FULLY_SHARD_OVERHEAD,
+    CheckpointSummary,
+    TensorSpec,
+    predict,
+    summarize_checkpoint,
+)
+
+MIB = 2**20
 
 
-def test_summary_reads_headers_only(tiny_llama_dir, monkeypatch):
+def _summary(*tensors: TensorSpec) -> CheckpointSummary:
+    numel = sum(t.numel for t in tensors)
+    largest = max(tensors, key=lambda t: t.numel)
+    return CheckpointSummary("x", len(tensors), numel, 4 * numel, largest.name, largest.numel, tensors=tensors)
+
+
+def _by_stage(preds, path="memsafe", hook="prepare"):
+    return {(p.stage, p.rank): p for p in preds if p.path == path and p.hook == hook}
+
+
+def test_summary_reads_headers_and_config_only(tiny_llama_dir, monkeypatch):
     from accelerate_memsafe.io import safetensors_source
 
     monkeypatch.setattr(safetensors_source.SafetensorsSource, "read", lambda *a, **k: pytest.fail("tensor data was read"))
@@ -21,36 +41,105 @@ def test_summary_reads_headers_only(tiny_llama_dir, monkeypatch):
     assert s.numel == sum(t.numel() for t in ref.state_dict().values() if t is not None)
     assert s.checkpoint_bytes == 4 * s.numel
     assert s.largest_numel == max(t.numel() for t in ref.state_dict().values())
+    # the model's own tensors, built on meta: every parameter, each found in the file under its name and shape
+    assert s.layout_from == "LlamaForCausalLM on meta"
+    assert sorted((t.name, t.shape) for t in s.tensors) == sorted((n, tuple(p.shape)) for n, p in ref.named_parameters())
+    assert all(t.file_itemsize == 4 for t in s.tensors)
+    assert "tensors" not in s.to_dict() and s.to_dict()["model_tensors"] == len(s.tensors)
 
 
-def test_predictions_follow_the_paths():
-    s = CheckpointSummary("x", 10, 100 * 2**20, 400 * 2**20, "w", 10 * 2**20)  # P = 400 MiB fp32, T = 40 MiB
-    preds = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, bucket_bytes=64 * 2**20, load_source="rank0")}
-    mib = 2**20
-    assert preds[("accelerate.prepare", 1, "stock")].cpu_anon_bytes == (200 + 80) * mib
-    assert preds[("rank0_distribute", 0, "memsafe")].cpu_anon_bytes == (200 + 96) * mib
-    assert preds[("rank0_distribute", 1, "memsafe")].cpu_anon_bytes == (200 + 16) * mib
-    bf16 = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, dtype="bf16", mixed_precision="bf16",
-                                                          load_source="rank0")}
-    # accelerate upcasts every trainable weight to fp32 on every rank: + P (fp32) per rank
-    assert bf16[("accelerate.prepare", 1, "stock")].cpu_anon_bytes == (200 + 80 + 400) * mib
-    assert bf16[("rank0_distribute", 1, "memsafe")].cpu_anon_bytes == (200 + 16) * mib
-    # every_rank (what "auto" predicts): its shard, plus one cast chunk when the file dtype differs
-    auto = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2)}
-    assert auto[("rank0_distribute", 0, "memsafe")].cpu_anon_bytes == auto[("rank0_distribute", 1, "memsafe")].cpu_anon_bytes == 200 * mib
-    cast = {(p.stage, p.rank, p.path): p for p in predict(s, num_processes=2, dtype="bf16", mixed_precision="bf16")}
-    assert cast[("rank0_distribute", 0, "memsafe")].cpu_anon_bytes == (200 + 16) * mib
+def test_fused_experts_are_the_models_tensors_and_travel_through_rank0(tmp_path):
+    """A Qwen3-MoE checkpoint stores one tensor per expert; the model fuses them (3-D, not in the file under
+    that name): they cannot be read by every rank, so rank 0 scatters them even with load_source='auto'."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=10, num_experts_per_tok=2)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    s = summarize_checkpoint(tmp_path)
+    fused = [t for t in s.tensors if len(t.shape) == 3]
+    assert s.layout_from == "Qwen3MoeForCausalLM on meta"
+    assert sorted(t.shape for t in fused) == [(10, 32, 16), (10, 32, 32)] and all(t.file_itemsize is None for t in fused)
+    assert all(t.file_itemsize == 2 for t in s.tensors if t not in fused)
+    n, budget = 4, 64 * MIB // 4
+    preds = _by_stage(predict(s, num_processes=n, dtype="bf16", mixed_precision="bf16"))
+    # FSDP2 pads 10 experts to 3 rows on each of 4 ranks; every tensor in fp32 (master weights)
+    shard = sum(-(-t.shape[0] // n) * t.numel // t.shape[0] * 4 for t in s.tensors)
+    sent = n * sum(-(-t.shape[0] // n) * t.numel // t.shape[0] * 4 for t in fused)
+    chunk = max(-(-t.shape[0] // n) * t.numel // t.shape[0] * 2 for t in s.tensors if t not in fused)  # bf16 rows, cast
+    assert preds[("rank0_distribute", 0)].cpu_anon_bytes == shard + max(chunk, sent * (n - 1) // n) + DISTRIBUTE_OVERHEAD
+    assert preds[("rank0_distribute", 1)].cpu_anon_bytes == shard + max(chunk, min(budget // n, sent // n)) + DISTRIBUTE_OVERHEAD
+
+
+def test_predictions_follow_the_mechanisms():
+    # 400 MiB of fp32 in one 40 MiB tensor with 10 rows and 360 MiB in 4096 rows, both in the file as they are
+    big, rest = TensorSpec("big", (10, 2**20), 4), TensorSpec("rest", (4096, 90 * 256), 4)
+    s = _summary(big, rest)
+    n, bucket, budget = 4, 64 * MIB, 16 * MIB
+    shard = (3 * 4 + 90) * MIB  # 10 rows padded to 3 per rank (12 MiB) + 1024 rows (90 MiB)
+    rank0 = _by_stage(predict(s, num_processes=n, bucket_bytes=bucket, load_source="rank0"))
+    # rank 0 fills the other ranks' slots of at most prefetch + 1 buckets of bucket_bytes // (prefetch + 2)
+    assert rank0[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget * 3 // 4 + DISTRIBUTE_OVERHEAD
+    assert rank0[("rank0_distribute", 1)].cpu_anon_bytes == shard + budget // n + DISTRIBUTE_OVERHEAD
+    halved = _by_stage(predict(s, num_processes=n, bucket_bytes=bucket // 2, load_source="rank0"))
+    assert halved[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget // 2 * 3 // 4 + DISTRIBUTE_OVERHEAD
+    # every_rank (what auto predicts): each rank reads its own rows; no copy when the dtypes match
+    auto = _by_stage(predict(s, num_processes=n))
+    assert auto[("rank0_distribute", 0)].cpu_anon_bytes == auto[("rank0_distribute", 3)].cpu_anon_bytes == shard + DISTRIBUTE_OVERHEAD
+    # a bf16 file trained in fp32: one chunk of file rows per read (at most the budget), shards in fp32
+    b16 = _summary(TensorSpec("big", (10, 2**20), 2), TensorSpec("rest", (4096, 90 * 256), 2))
+    cast = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16"))
+    assert cast[("rank0_distribute", 1)].cpu_anon_bytes == shard + min(budget, 1024 * 90 * 256 * 2) + DISTRIBUTE_OVERHEAD
+    # the other stages: fully_shard's bookkeeping, rank 0's pagemap scan of the mapped weights, nothing else
+    assert auto[("shard", 2)].cpu_anon_bytes == FULLY_SHARD_OVERHEAD
+    # (two scans of 33 bytes per 4 KiB page of the 400 MiB it maps)
+    assert auto[("meta_placement", 0)].cpu_anon_bytes == 2 * 33 * (400 * MIB // 4096) and auto[("meta_placement", 1)].cpu_anon_bytes == 0
+    assert auto[("buffer_init", 0)].cpu_anon_bytes == auto[("accelerate.prepare", 0)].cpu_anon_bytes == 0
+    # stock: every rank upcasts to fp32 (the bf16 copies are the file's pages, nothing private is freed);
+    # ranks > 0 receive each whole tensor and split it
+    stock = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16"), path="stock")
+    assert stock[("accelerate.prepare", 0)].cpu_anon_bytes == shard + 400 * MIB + FULLY_SHARD_OVERHEAD
+    assert stock[("accelerate.prepare", 1)].cpu_anon_bytes == shard + 400 * MIB + 2 * 360 * MIB + FULLY_SHARD_OVERHEAD
     with pytest.raises(ValueError, match="unknown dtype"):
         predict(s, num_processes=2, dtype="int3")
+
+
+def test_cuda_keeps_the_shards_on_the_device_unless_cpu_offload():
+    s = _summary(TensorSpec("w", (1024, 1024), 4))
+    cuda = _by_stage(predict(s, num_processes=2, device="cuda", load_source="rank0"))
+    assert cuda[("rank0_distribute", 1)].device_bytes >= 2 * MIB and cuda[("rank0_distribute", 1)].cpu_anon_bytes < MIB
+    offload = _by_stage(predict(s, num_processes=2, device="cuda", cpu_offload=True, load_source="rank0"))
+    assert offload[("rank0_distribute", 1)].device_bytes == 0 and offload[("rank0_distribute", 1)].cpu_anon_bytes >= 2 * MIB
+
+
+def test_the_preflight_estimates_count_fp32_master_weights_padding_and_the_pagemap_scan():
+    """The stages' own estimates (before prepare): a bf16 model under mixed precision is placed in fp32, and
+    FSDP2 pads 10 rows to 3 per rank on 4 ranks (the old estimate took the bf16 bytes / N)."""
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.pipeline import HookContext
+    from accelerate_memsafe.stages.meta_placement import MetaPlacementStage
+    from accelerate_memsafe.stages.rank0_distribute import Rank0DistributeStage
+
+    model = torch.nn.Linear(2**20, 10, bias=False).to(torch.bfloat16)  # weight: 10 rows of 1 Mi elements
+    plugin = MemSafePlugin(load_source="rank0")
+    ctx = HookContext(hook="prepare", rank=1, world_size=4, device=torch.device("cpu"), options=plugin, model=model,
+                      is_fsdp2=True, mixed_precision="bf16")
+    est = Rank0DistributeStage(plugin).estimate(ctx)
+    assert est.cpu_bytes == 3 * 4 * MIB + 16 * MIB // 4 + DISTRIBUTE_OVERHEAD and est.device_bytes == 0
+    # meta_placement: rank 0 scans the pagemap of the 20 MiB of bf16 weights it holds (twice, 33 bytes per page)
+    assert MetaPlacementStage(plugin).estimate(ctx) is None
+    ctx.rank = 0
+    assert MetaPlacementStage(plugin).estimate(ctx).cpu_bytes == 2 * 33 * (20 * MIB // 4096)
 
 
 def test_estimate_command_prints_tables_and_json(tiny_llama_dir, capsys):
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "| prepare | rank0_distribute | 1 | memsafe |" in out
+    assert "| prepare | rank0_distribute | 1 | memsafe |" in out and "model tensors from LlamaForCausalLM on meta" in out
     assert "fits" in out
-    assert main(["estimate", str(tiny_llama_dir), "--num-processes", "2", "--json", "--budget-bytes", "1KiB"]) == 0
+    assert main(["estimate", str(tiny_llama_dir), "--num-processes", "2", "--json", "--budget-bytes", "1KiB"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["fits"]["memsafe"]["fits"] is False, "1 KiB cannot hold the shards"
+    assert data["checkpoint"]["layout_from"] == "LlamaForCausalLM on meta"
     stages = {(p["stage"], p["rank"]) for p in data["predictions"] if p["path"] == "memsafe"}
-    assert {("meta_placement", 0), ("shard", 1), ("rank0_distribute", 0), ("buffer_init", 1)} <= stages
+    assert {("meta_placement", 0), ("shard", 1), ("rank0_distribute", 0), ("buffer_init", 1), ("accelerate.prepare", 1)} <= stages

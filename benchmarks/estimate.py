@@ -1,0 +1,324 @@
+"""`accelerate-memsafe estimate` against what ``prepare`` measures, rank by rank and stage by stage.
+
+For each case (a checkpoint, a setting, a number of ranks, a load source) the ranks are spawned (CPU gloo,
+FSDP2), load the checkpoint with ``accelerate_memsafe.from_pretrained`` (transformers' own ``from_pretrained``
+on every rank for the ``stock`` path) and ``prepare`` it with AdamW through the default plugin
+(``MemSafePlugin(load_source=...)``, every other option at its default; ``stages=[]`` for ``stock``).
+Each stage's measured figure is the plugin's own record on that rank: ``cpu_anon_peak_bytes -
+cpu_anon_start_bytes`` (the peak of RssAnon, private memory, over the stage's start, sampled every 2 ms). The
+estimate is ``accelerate-memsafe estimate CHECKPOINT --json`` with the same settings, run in this process
+before the ranks start (headers and config only).
+
+A row agrees when ``|estimated - measured| <= 25%`` of measured, or, for a stage that measures a few MiB
+(interpreter and allocator noise), when it is within ``FLOOR_BYTES`` (4 MiB); the table says which rule
+decided. The floor is below 25% of every stage that moves weights here, so it never decides those.
+
+Cases (``--cases``, comma-separated; default: the matrix and ``moe-small-bf16-4``):
+
+* ``moe-bf16-4`` / ``-rank0`` / ``-stock``: a Qwen3-MoE (fused experts, 10 per layer, so FSDP2 pads their
+  dim 0 on 4 ranks; 73 M parameters), bf16 checkpoint, ``mixed_precision="bf16"`` (fp32 master weights),
+  4 ranks, ``load_source`` ``auto`` / ``rank0`` / stock accelerate.
+* ``llama-fp32-2`` / ``-rank0`` / ``-stock``: a Llama (``250m``), fp32, 2 ranks.
+* ``moe-small-bf16-4``: a smaller Qwen3-MoE, the case the default test suite runs.
+* ``trivial-*``: the ``tiny`` Llama (107 k parameters) on which the estimate's fixed overheads were measured
+  once (``FULLY_SHARD_OVERHEAD``, ``DISTRIBUTE_OVERHEAD`` in ``accelerate_memsafe/memory/estimate.py``);
+  not part of the default matrix.
+
+Prints one JSON line; ``--markdown FILE`` appends the tables (model, setting, load source, ranks, rank, stage,
+estimated MiB, measured MiB, ratio, the rule that decided; then the counts per rule and the lowest and highest
+ratio of the weight-moving rows: ``rank0_distribute`` and stock's ``accelerate.prepare``).
+
+    python benchmarks/estimate.py --markdown /tmp/estimate.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from prepare import MIB, spawn
+
+#: Stages whose figures are compared (the plugin's prepare stages and accelerate's own call).
+STAGES = ("meta_placement", "shard", "rank0_distribute", "buffer_init", "accelerate.prepare")
+#: Relative tolerance of the comparison.
+TOLERANCE = 0.25
+#: Absolute resolution of the comparison, in bytes: a stage within this of its measurement agrees whatever
+#: the ratio (a stage that moves no weights measures a few MiB of interpreter and allocator noise).
+FLOOR_BYTES = 4 * MIB
+
+#: Qwen3-MoE shapes: (hidden, moe_intermediate, layers, heads, kv_heads, head_dim, experts, vocab).
+MOE_SIZES = {
+    "moe": (512, 384, 6, 8, 4, 64, 10, 32000),
+    "moe-small": (256, 256, 4, 4, 2, 64, 10, 16000),
+}
+SETTINGS = {"fp32": ("float32", "no"), "bf16": ("bfloat16", "bf16")}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    name: str
+    model: str
+    setting: str
+    ranks: int
+    load_source: str
+    path: str = "memsafe"
+
+
+CASES = {c.name: c for c in (
+    Case("moe-bf16-4", "moe", "bf16", 4, "auto"),
+    Case("moe-bf16-4-rank0", "moe", "bf16", 4, "rank0"),
+    Case("moe-bf16-4-stock", "moe", "bf16", 4, "auto", "stock"),
+    Case("llama-fp32-2", "llama-250m", "fp32", 2, "auto"),
+    Case("llama-fp32-2-rank0", "llama-250m", "fp32", 2, "rank0"),
+    Case("llama-fp32-2-stock", "llama-250m", "fp32", 2, "auto", "stock"),
+    Case("moe-small-bf16-4", "moe-small", "bf16", 4, "auto"),
+    Case("trivial-fp32-2", "llama-tiny", "fp32", 2, "auto"),
+    Case("trivial-bf16-4", "llama-tiny", "bf16", 4, "auto"),
+    Case("trivial-bf16-4-rank0", "llama-tiny", "bf16", 4, "rank0"),
+    Case("trivial-fp32-2-stock", "llama-tiny", "fp32", 2, "auto", "stock"),
+    Case("trivial-bf16-4-stock", "llama-tiny", "bf16", 4, "auto", "stock"),
+)}
+
+
+#: The matrix ``benchmarks/estimate.py`` runs by default (docs/benchmarks.md, "Estimate vs measured").
+DEFAULT_CASES = ("moe-bf16-4", "moe-bf16-4-rank0", "moe-bf16-4-stock", "llama-fp32-2", "llama-fp32-2-rank0",
+                 "llama-fp32-2-stock", "moe-small-bf16-4")
+
+
+def save_moe(path: Path, size: str, *, dtype) -> Path:
+    """A randomly initialised Qwen3-MoE of a named size (:data:`MOE_SIZES`), ``save_pretrained`` to ``path``."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    hidden, inter, layers, heads, kv, head_dim, experts, vocab = MOE_SIZES[size]
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                         num_experts=experts, num_experts_per_tok=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).to(dtype).save_pretrained(path)
+    return path
+
+
+def checkpoint(cache: Path, model: str, setting: str) -> Path:
+    """The case's checkpoint under ``cache`` (built once, kept for reuse)."""
+    import torch
+
+    dtype = getattr(torch, SETTINGS[setting][0])
+    path = cache / f"{model}-{setting}"
+    if not (path / "config.json").exists():
+        if model.startswith("llama-"):
+            from accelerate_memsafe.models import save_llama
+
+            save_llama(path, model.removeprefix("llama-"), dtype=dtype)
+        else:
+            save_moe(path, model, dtype=dtype)
+    return path
+
+
+def _worker(rank: int, port: int, world: int, case: Case, ckpt: str, queue) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    try:
+        queue.put((rank, "ok", _run(rank, case, ckpt)))
+    except BaseException as exc:
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run(rank: int, case: Case, ckpt: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    torch.set_num_threads(1)
+    dtype_name, mp_name = SETTINGS[case.setting]
+    dtype = getattr(torch, dtype_name)
+    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
+    if case.path == "stock":
+        plugin = MemSafePlugin(stages=[])
+    else:
+        plugin = MemSafePlugin(load_source=case.load_source)
+    acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name)
+    _warm_up(ckpt)
+    dist.barrier()
+    if case.path == "stock":
+        model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype)
+    else:
+        model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, ckpt, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    dist.barrier()
+    stages = {}
+    for r in plugin.report.records:
+        if r.hook != "prepare" or r.stage not in STAGES:
+            continue
+        measured = r.cpu_anon_peak_bytes is not None and r.cpu_anon_start_bytes is not None
+        stages[r.stage] = {
+            "status": r.status,
+            "anon_bytes": r.cpu_anon_peak_bytes - r.cpu_anon_start_bytes if measured else None,
+            "rss_bytes": r.cpu_rss_peak_bytes - r.cpu_rss_start_bytes if measured else None,
+            "wall_s": r.wall_s,
+            "load_source": r.details.get("load_source"),
+            "details": {k: v for k, v in r.details.items() if isinstance(v, (int, float, str))},
+        }
+    return {"rank": rank, "stages": stages}
+
+
+def _warm_up(ckpt: str) -> None:
+    """First-use allocations of the model code (imports, dispatch caches) happen before ``prepare``, as in a
+    training script that built or ran a model before: a tiny model of the same class, run once."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(ckpt)
+    for key, value in (("num_hidden_layers", 1), ("vocab_size", 64), ("hidden_size", 64), ("intermediate_size", 64),
+                       ("moe_intermediate_size", 32), ("num_attention_heads", 2), ("num_key_value_heads", 1),
+                       ("head_dim", 32)):
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    del model
+
+
+def estimate(case: Case, ckpt: Path) -> dict:
+    """``accelerate-memsafe estimate CKPT --json`` for the case's settings (run in this process)."""
+    from accelerate_memsafe.cli.main import main as cli
+
+    dtype, mp_name = {"fp32": ("fp32", "no"), "bf16": ("bf16", "bf16")}[case.setting]
+    argv = ["estimate", str(ckpt), "--num-processes", str(case.ranks), "--dtype", dtype, "--mixed-precision", mp_name,
+            "--load-source", case.load_source, "--json", "--budget-bytes", "1TiB"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli(argv)
+    if code != 0:
+        raise RuntimeError(f"`accelerate-memsafe {' '.join(argv)}` exited with {code}")
+    return json.loads(out.getvalue())
+
+
+def compare(case: Case, predicted: dict, measured: list[dict]) -> list[dict]:
+    """One row per rank and stage that ran: estimated and measured bytes, their ratio, and which rule decided
+    (``25%``, ``floor``, or ``NO``). A stage that ran without a prediction is a row that does not agree."""
+    preds = {(p["stage"], p["rank"]): p for p in predicted["predictions"] if p["path"] == case.path and p["hook"] == "prepare"}
+    used = next((m["load_source"] for run in measured for st, m in run["stages"].items() if m.get("load_source")), None)
+    rows = []
+    for run in measured:
+        for stage in STAGES:
+            m = run["stages"].get(stage)
+            if m is None or m["status"] != "ran" or m["anon_bytes"] is None:
+                continue
+            p = preds.get((stage, run["rank"]))
+            got = max(0, m["anon_bytes"])
+            est = p["cpu_anon_bytes"] if p is not None else None
+            if est is None:
+                within = "NO"
+            elif abs(est - got) <= TOLERANCE * got:
+                within = "25%"
+            elif abs(est - got) <= FLOOR_BYTES:
+                within = "floor"
+            else:
+                within = "NO"
+            rows.append({
+                "case": case.name, "model": case.model, "setting": case.setting, "ranks": case.ranks,
+                "load_source": "stock accelerate" if case.path == "stock" else f"{case.load_source} ({used})",
+                "path": case.path, "rank": run["rank"], "stage": stage,
+                "estimated_mib": None if est is None else est / MIB, "measured_mib": got / MIB,
+                "ratio": est / got if est is not None and got else None, "within": within, "agrees": within != "NO",
+            })
+    return rows
+
+
+_SETTING = {"fp32": "fp32", "bf16": "bf16 + mixed precision"}
+
+
+def markdown(doc: dict) -> str:
+    lines = [
+        f"\n`accelerate-memsafe estimate` vs the measured RssAnon peak over each stage's start, per rank "
+        f"({doc['timestamp']}): agrees when |estimated - measured| <= 25% of measured (`25%`), or <= "
+        f"{doc['floor_mib']:.0f} MiB (`floor`, for a stage that measures a few MiB):\n",
+        "| model | setting | load source | ranks | rank | stage | estimated MiB | measured MiB | ratio | within |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        est = "-" if r["estimated_mib"] is None else f"{r['estimated_mib']:.1f}"
+        lines.append(f"| {r['model']} | {_SETTING[r['setting']]} | {r['load_source']} | {r['ranks']} | {r['rank']} | "
+                     f"{r['stage']} | {est} | {r['measured_mib']:.1f} | {ratio} | {r['within']} |")
+    s = doc["summary"]
+    lines += [
+        "",
+        "| rows | within 25% | within the floor only | not within | weight-moving rows | lowest ratio | highest ratio |",
+        "|---|---|---|---|---|---|---|",
+        f"| {s['rows']} | {s['within_25']} | {s['floor_only']} | {s['not_within']} | {s['moving_rows']} | "
+        f"{s['moving_ratio_min']:.2f} | {s['moving_ratio_max']:.2f} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Counts per rule, and the range of the ratios of the stages that move weights (``rank0_distribute``, stock's
+    ``accelerate.prepare``)."""
+    moving = [r["ratio"] for r in rows if r["ratio"] is not None
+              and (r["stage"] == "rank0_distribute" or (r["path"] == "stock" and r["stage"] == "accelerate.prepare"))]
+    return {
+        "rows": len(rows), "within_25": sum(r["within"] == "25%" for r in rows),
+        "floor_only": sum(r["within"] == "floor" for r in rows), "not_within": sum(r["within"] == "NO" for r in rows),
+        "moving_rows": len(moving), "moving_ratio_min": min(moving, default=float("nan")),
+        "moving_ratio_max": max(moving, default=float("nan")),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES), help=f"comma-separated, from: {', '.join(CASES)}")
+    parser.add_argument("--cache-dir", default=None, help="where the checkpoints are built (kept for reuse)")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--markdown", default=None, help="append the table to this file")
+    args = parser.parse_args(argv)
+    names = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    cache = Path(args.cache_dir or os.path.join(tempfile.gettempdir(), "memsafe-bench-estimate"))
+    cache.mkdir(parents=True, exist_ok=True)
+    doc: dict = {
+        "benchmark": "estimate", "tolerance": TOLERANCE, "floor_mib": FLOOR_BYTES / MIB,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": "python benchmarks/estimate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "rows": [],
+    }
+    for name in names:
+        case = CASES[name]
+        ckpt = checkpoint(cache, case.model, case.setting)
+        predicted = estimate(case, ckpt)
+        measured = spawn(_worker, case.ranks, (case.ranks, case, str(ckpt)), args.timeout, name)
+        doc["rows"] += compare(case, predicted, measured)
+        doc.setdefault("measured", {})[name] = measured
+    doc["summary"] = summarize(doc["rows"])
+    doc["all_agree"] = bool(doc["rows"]) and all(r["agrees"] for r in doc["rows"])
+    print(json.dumps(doc))
+    if args.markdown:
+        with open(args.markdown, "a", encoding="utf-8") as f:
+            f.write(markdown(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
