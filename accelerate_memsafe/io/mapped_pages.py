@@ -37,8 +37,10 @@ _PAGEMAP = "/proc/self/pagemap"
 _PM_PRESENT = 1 << 63
 _PM_SWAP = 1 << 62
 _PM_FILE = 1 << 61  # file page or shared anonymous page; clear on a private copy-on-write copy
-#: Spans closer than this many pages are read with one ``pread`` (holes between them read as zeros).
+#: Spans closer than this many pages are scanned as one range (holes between them read as zeros).
 _MERGE_GAP_PAGES = 1 << 14
+#: Pages whose pagemap entries are read and reduced at once (64 MiB of mapping: about 1 MiB of arrays).
+SCAN_WINDOW_PAGES = 1 << 14
 
 
 def _parse_maps(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[int, int, int, str, int]]:
@@ -139,6 +141,32 @@ def _pagemap_entries(first: int, last: int) -> torch.Tensor | None:
     return torch.frombuffer(buf, dtype=torch.int64) if want else torch.zeros(0, dtype=torch.int64)
 
 
+def _written_before(lo: int, hi: int, points: set[int]) -> dict[int, int] | None:
+    """For each page number in ``points`` (within ``[lo, hi]``), how many pages of ``[lo, point)`` were written
+    (present without the file bit, or swapped out); ``None`` when the pagemap cannot be read.
+
+    The pagemap is read ``SCAN_WINDOW_PAGES`` at a time, so the arrays it takes are bounded (the entries, the
+    masks, the prefix sum: about 54 bytes per page of one window) whatever the mapping's size.
+    """
+    todo = sorted(points)
+    out: dict[int, int] = {}
+    carry, k = 0, 0
+    for w0 in range(lo, hi, SCAN_WINDOW_PAGES):
+        w1 = min(hi, w0 + SCAN_WINDOW_PAGES)
+        entries = _pagemap_entries(w0, w1)
+        if entries is None:
+            return None
+        written = ((entries & _PM_SWAP) != 0) | ((entries < 0) & ((entries & _PM_FILE) == 0))
+        seen = torch.zeros(len(written) + 1, dtype=torch.int64)
+        seen[1:] = torch.cumsum(written, 0)
+        while k < len(todo) and todo[k] <= w1:
+            out[todo[k]] = carry + int(seen[todo[k] - w0])
+            k += 1
+        carry += int(seen[-1])
+        del entries, written, seen
+    return out
+
+
 def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
     """Whether each address range ``[begin, end)`` still holds exactly the bytes of the file it maps.
 
@@ -152,7 +180,8 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
 
     Nothing qualifies where pagemap cannot be read or does not report a written page as such (not Linux,
     no permission, a sandbox kernel): callers then read from memory, which is always correct. Ranges
-    that lie close together are read with one ``pread``: 8 bytes per 4 KiB page, 2 MiB for a 1 GB model.
+    that lie close together are scanned as one range, ``SCAN_WINDOW_PAGES`` at a time: the memory this takes
+    is bounded (about 1 MiB), whatever the size of the mapping.
 
     Args:
         spans: Byte ranges of this process's memory, e.g. ``(t.data_ptr(), t.data_ptr() + t.nbytes)``.
@@ -186,17 +215,10 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
         nxt = pages[k + 1] if k + 1 < len(pages) else None
         if nxt is not None and nxt[0] <= run_end + _MERGE_GAP_PAGES:
             continue
-        lo = run[0][0]
-        entries = _pagemap_entries(lo, run_end)
-        if entries is not None:
-            # present without the file bit (bit 63 is the sign of an int64), or swapped out
-            written = ((entries & _PM_SWAP) != 0) | ((entries < 0) & ((entries & _PM_FILE) == 0))
-            seen = torch.zeros(len(written) + 1, dtype=torch.int64)
-            seen[1:] = torch.cumsum(written, 0)
-            firsts = torch.tensor([f - lo for f, _, _ in run])
-            lasts = torch.tensor([last - lo for _, last, _ in run])
-            for (_, _, i), clean in zip(run, (seen[lasts] == seen[firsts]).tolist()):
-                out[i] = clean
+        seen = _written_before(run[0][0], run_end, {p for f, last, _ in run for p in (f, last)})
+        if seen is not None:
+            for f, last, i in run:
+                out[i] = seen[last] == seen[f]
         run, run_end = [], 0
     return out
 

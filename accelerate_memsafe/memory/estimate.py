@@ -21,8 +21,8 @@ budget), every size in the training dtype (fp32 under mixed precision):
 
 Per stage, rank 0 / the other ranks:
 
-* ``meta_placement``: rank 0 reads the pagemap of the weights it maps, twice (one int64 per 4 KiB page, with a
-  mask and its prefix sum: ``PAGEMAP_SCANS`` × ``PAGEMAP_BYTES_PER_PAGE`` per page); 0 elsewhere.
+* ``meta_placement``: rank 0 reads the pagemap of the weights it maps (one int64 per 4 KiB page, with a mask
+  and its prefix sum: ``PAGEMAP_BYTES_PER_PAGE``), one window of pages at a time; 0 elsewhere.
 * ``shard``: ``FULLY_SHARD_OVERHEAD`` (``fully_shard`` on ``meta`` allocates no weight).
 * ``rank0_distribute``: shard + max(chunk, ring + piece) / shard + max(chunk, receive), plus one group of
   replicated tensors (at most b) and ``DISTRIBUTE_OVERHEAD``, where
@@ -69,14 +69,12 @@ FULLY_SHARD_OVERHEAD = int(1.7 * MIB)
 #: ``rank0_distribute``'s bookkeeping (all-gathered layouts and blocks, the bucket plan, the collectives'
 #: objects): 0.4-0.6 MiB above the weights on the same trivial model, 2 and 4 ranks.
 DISTRIBUTE_OVERHEAD = int(0.5 * MIB)
-#: ``meta_placement`` on rank 0 checks that the weights it maps still hold the file's bytes: it reads one 8-byte
-#: ``/proc/self/pagemap`` entry per 4 KiB page and derives a written-page mask (1 byte) and its prefix sum
-#: (8 bytes; ``cumsum`` makes an int64 copy of the mask and an int64 result first: 16 bytes): 33 bytes per page
-#: at the peak of one scan (``io/mapped_pages.unmodified_file_pages``).
-PAGEMAP_BYTES_PER_PAGE = 33
-#: Scans rank 0 makes of the same pages (``checkpoint_source_names``, then ``Rank0Source``'s ``CleanFilePages``);
-#: the allocator may keep the first one's freed arrays while the second runs.
-PAGEMAP_SCANS = 2
+#: ``meta_placement`` on rank 0 checks that the weights it maps still hold the file's bytes, one window of
+#: ``io.mapped_pages.SCAN_WINDOW_PAGES`` pages at a time: per page, the 8-byte ``/proc/self/pagemap`` entry, the
+#: swap test (an int64 temporary and its mask: 9), the present test (1), the file-page test (9), the two
+#: combining masks (2), the prefix sum (8) and ``cumsum``'s int64 copy of the mask and result (16). Each
+#: temporary gets its own heap chunk in the first window and glibc keeps them for the next: their sum, 53.
+PAGEMAP_BYTES_PER_PAGE = 53
 _PAGE = 4096
 #: Byte alignment of the bucket budget per rank (``distributed/plan.py``).
 _ALIGN = 16
@@ -345,13 +343,16 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
 
 
 def pagemap_scan_bytes(mapped_bytes: int) -> int:
-    """Rank 0's scans of the pagemap of ``mapped_bytes`` of mapped weights (whether they still hold the file's bytes).
+    """Rank 0's scan of the pagemap of ``mapped_bytes`` of mapped weights (whether they still hold the file's
+    bytes), a window at a time.
 
     Example:
-        >>> pagemap_scan_bytes(4096 * 1000)
-        66000
+        >>> pagemap_scan_bytes(4096 * 1000), pagemap_scan_bytes(2**40) >> 10  # 1 TiB: one window, under 1 MiB
+        (53000, 848)
     """
-    return PAGEMAP_SCANS * PAGEMAP_BYTES_PER_PAGE * -(-mapped_bytes // _PAGE)
+    from ..io.mapped_pages import SCAN_WINDOW_PAGES
+
+    return PAGEMAP_BYTES_PER_PAGE * min(-(-mapped_bytes // _PAGE), SCAN_WINDOW_PAGES)
 
 
 def meta_placement_peak(lay: Layout, *, rank: int) -> int:
