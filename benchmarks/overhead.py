@@ -1,11 +1,12 @@
 """What the default plugin costs a training loop: the walls of ``prepare``, ``save_state`` and ``load_state``
 with stock ``accelerate.Accelerator`` and with ``accelerate_memsafe.Accelerator(plugins=[MemSafePlugin()])`` as a
-user writes it (the default: every stage, the live-tensor tracker and the 2 ms memory sampler on, the checkpoint
-committed in the background), on one process and on 2 gloo ranks with FSDP2, same model, same data.
+user writes it (the default: every stage, the 2 ms memory sampler on, the live-tensor tracker off, the
+checkpoint committed in the background), on one process and on 2 gloo ranks with FSDP2, same model, same data.
 
 Each (setting, path) runs ``--launches`` times in fresh processes: a Llama of ``--size`` (fp32, the same seed on
-every rank), AdamW, ``prepare``, one training step, then ``--repeats`` rounds of ``save_state`` into the same
-directory (the first creates it, the others replace it) and ``load_state`` of it. Each figure is the best over
+every rank), AdamW, ``prepare``, one training step, then ``--repeats`` rounds of ``save_state`` into a new directory
+and ``load_state`` of it (the directory is deleted afterwards, untimed: no path pays for overwriting an older
+checkpoint). Each figure is the best over
 launches and rounds of the slowest rank's wall (every hook starts after a barrier). What the training loop waits
 for is the ``save_state`` call; with the background commit (``async_checkpoint=True``), the time from its return
 until the checkpoint is durable and in place is measured separately (``commit_tail_s``, the training loop does
@@ -13,12 +14,14 @@ not wait for it) and waited for before ``load_state`` is timed, so no path's com
 
 Stock on 2 ranks is ``accelerate.Accelerator(cpu=True, fsdp_plugin=...)`` with its state switched to FSDP the
 way the plugin does it on a machine without an accelerator (``_compat.promote_state_to_fsdp``); nothing else of
-the plugin runs. Optional extra paths (``--paths``): ``no_tracker`` (``track_live_tensors=False``) and
-``sync_commit`` (``async_checkpoint=False``: fsync, marker and swap inside ``save_state``).
+the plugin runs. Optional extra paths (``--paths``): ``sync_commit`` (``async_checkpoint=False``: fsync, marker and
+swap inside ``save_state``), ``tracker`` (``track_live_tensors=True``) and ``tracker_sync`` (both: the settings of the
+previous default).
 
 Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to stock and the wall added per hook.
 
-    python benchmarks/overhead.py --size 100m --launches 3 --repeats 3 --markdown /tmp/overhead.md
+    python benchmarks/overhead.py --size 100m --launches 3 --repeats 3 --paths stock,default,sync_commit,tracker_sync \
+        --markdown /tmp/overhead.md
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -36,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare import spawn  # the launcher of the sibling benchmark
 
 HOOKS = ("prepare_s", "save_state_s", "load_state_s")
-PATHS = ("stock", "default", "no_tracker", "sync_commit")
+PATHS = ("stock", "default", "sync_commit", "tracker", "tracker_sync")
 SETTINGS = {"1proc": 1, "fsdp2_2ranks": 2}
 
 
@@ -56,7 +60,8 @@ def _accelerator(path: str, world: int):
         return acc
     from accelerate_memsafe import Accelerator, MemSafePlugin
 
-    options = {"no_tracker": {"track_live_tensors": False}, "sync_commit": {"async_checkpoint": False}}.get(path, {})
+    options = {"sync_commit": {"async_checkpoint": False}, "tracker": {"track_live_tensors": True},
+               "tracker_sync": {"track_live_tensors": True, "async_checkpoint": False}}.get(path, {})
     return Accelerator(plugins=[MemSafePlugin(**options)], fsdp_plugin=fsdp_plugin)
 
 
@@ -89,16 +94,19 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -
     opt.step()
     opt.zero_grad()
     wait = getattr(getattr(acc, "memsafe_plugin", None), "wait_for_checkpoint", lambda: None)
-    target = os.path.join(work, "ckpt")
     saves, tails, loads = [], [], []
-    for _ in range(repeats):
-        save_s, _ = timed(lambda: acc.save_state(target), "save_state_s")
+    for k in range(repeats):
+        target = os.path.join(work, f"ckpt{k}")
+        save_s, _ = timed(lambda target=target: acc.save_state(target), "save_state_s")
         t0 = time.perf_counter()
         wait()  # the background commit (rank 0), outside every timed hook
         tails.append(time.perf_counter() - t0)
-        load_s, _ = timed(lambda: acc.load_state(target), "load_state_s")
+        load_s, _ = timed(lambda target=target: acc.load_state(target), "load_state_s")
         saves.append(save_s)
         loads.append(load_s)
+        sync()
+        if rank == 0:  # untimed: no path pays for overwriting or deleting an older checkpoint in a timed hook
+            shutil.rmtree(target)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return {"rank": rank, "prepare_s": prepare_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,

@@ -63,6 +63,11 @@ def is_temp_dir(path: str | os.PathLike) -> bool:
 def begin(temp: Path) -> None:
     """Creates ``temp`` empty (removing what a killed save left there) with the incomplete sentinel.
 
+    Nothing here is fsynced: until :func:`finalize`, the directory is refused by its name alone (and the
+    sentinel), and the previous checkpoint is untouched, so a crash that loses the new directory loses nothing;
+    :func:`finalize` makes the files, the directory and the rename durable. (An fsync of the parent here cost
+    2-30 ms on the critical path of every save, a journal commit on a busy disk.)
+
     Example:
         >>> # begin(temp_dir_for("/ckpt/step_10"))
     """
@@ -70,7 +75,6 @@ def begin(temp: Path) -> None:
         shutil.rmtree(temp)
     temp.mkdir(parents=True)
     (temp / SENTINEL).write_text("this checkpoint directory is being written; it is not loadable\n")
-    _fsync_dir(temp.parent)
 
 
 def _fsync_file(path: Path) -> None:

@@ -35,7 +35,8 @@ class StageRecord:
     samples for plots (``t`` in seconds since the plugin was created, like ``start_s``). ``segments`` holds
     ``[start_s, wall_s]`` of each part of the stage's run: one, or two for a stage with an ``after`` part
     (run before accelerate's call and after it); ``wall_s`` is their sum, and every sample lies within one
-    of them.
+    of them. A stage skipped before it ran (its ``skip_reason``) was not probed: ``wall_s`` 0, no figures, no
+    timeline, no segments (:attr:`measured` is ``False``), only ``reason``.
     """
 
     hook: str
