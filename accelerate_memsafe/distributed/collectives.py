@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import io
 import json
 import pickle
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -273,6 +274,44 @@ def _abandon(work: Any, group: Any, what: str) -> None:
             pass
 
 
+#: Tag of the plugin's point-to-point messages (apart from any tag a user's code sends with).
+_P2P_TAG = 0x6D73
+
+
+class _Works:
+    """Several pending point-to-point ops waited for as one (the interface :meth:`Collectives.finish` polls).
+
+    gloo's send/recv works report completion only once ``wait()`` was called on them, so a daemon thread
+    waits for them (without the GIL) and the caller polls its flag under the deadline and the peer watch.
+    """
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._wait_all, name="memsafe-p2p-wait", daemon=True)
+        self._thread.start()
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise TimeoutError(f"point-to-point transfer still pending after {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+
 @dataclass
 class Pending:
     """A collective issued by :meth:`Collectives.start` and not yet waited for."""
@@ -463,6 +502,19 @@ class Collectives:
         :meth:`finish` returns."""
         return self.start(what, lambda: dist.scatter(output, chunks if self.rank == src else None, src=src,
                                                      group=self.group, async_op=True))
+
+    def exchange_async(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], *,
+                       what: str = "point-to-point transfer") -> Pending:
+        """Issues one ``isend`` per ``(peer, tensor)`` of ``sends`` and one ``irecv`` per ``(peer, tensor)`` of
+        ``recvs`` (peers are ranks of this group, tensors contiguous on :attr:`device`) and returns at once;
+        :meth:`finish` waits for all of them. Messages between two ranks are matched in the order they are
+        issued, so both sides must issue them in the same order (one plan)."""
+        def start() -> _Works:
+            works = [dist.isend(t, dst=self.ranks[peer], group=self.group, tag=_P2P_TAG) for peer, t in sends]
+            works += [dist.irecv(t, src=self.ranks[peer], group=self.group, tag=_P2P_TAG) for peer, t in recvs]
+            return _Works(works)
+
+        return self.start(what, start)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int = 0, what: str = "broadcast") -> None:
         """``dist.broadcast`` under the deadline (a tensor off :attr:`device` travels through a copy)."""

@@ -34,7 +34,7 @@ from .meta import difference_from_rank0
 from .sharding import canonical_name
 from .plan import _Sharded, bucket_budget
 from .source import Rank0Source
-from .transport import DistributeStats, _install, _send_flat
+from .transport import DistributeStats, _install, _send_flat, _send_p2p
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -269,9 +269,11 @@ def distribute_from_rank0(
                          locals_=locals_, budget=budget, prefetch_buckets=prefetch_buckets, device=device,
                          check_finite=check_finite, progress=progress, timeout_s=coll.timeout_s, stats=stats)
         else:
-            _send_flat(sharded, replicated, source=source, coll=coll, locals_=locals_, budget=budget,
-                       prefetch_buckets=prefetch_buckets, device=device, check_finite=check_finite,
-                       progress=progress, stats=stats)
+            # gloo: one message per piece, zero-copy at both ends; other backends: a scatter per bucket
+            send = _send_p2p if coll.device.type == "cpu" else _send_flat
+            send(sharded, replicated, source=source, coll=coll, locals_=locals_, budget=budget,
+                 prefetch_buckets=prefetch_buckets, device=device, check_finite=check_finite, progress=progress,
+                 stats=stats)
     if rank == 0:
         stats.madvised_bytes = source.released_bytes
         source.close()

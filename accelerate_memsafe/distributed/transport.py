@@ -1,5 +1,11 @@
-"""Moving the planned buckets: rank 0 prepares buckets ahead in a bounded background thread, from reusable
-buffers, and scatters them; the other ranks receive in place where the layout allows.
+"""Moving the planned buckets. Rank 0 prepares buckets ahead in a bounded background thread and posts bucket
+``k + 1`` before waiting for bucket ``k``.
+
+* On gloo (:func:`_send_p2p`, the CPU path) every piece is one message: sent from rank 0's own tensor as it
+  is where no cast is needed (rank 0 copies nothing), received straight into the receiving rank's shard
+  where its bytes are contiguous there.
+* On other backends (:func:`_send_flat`) each bucket is one ``dist.scatter`` from reusable buffers; a rank
+  whose part of a bucket is one contiguous piece of its shard receives it in place.
 
 Memory bound on rank 0: a semaphore keeps at most ``prefetch_buckets + 1`` buckets alive, each of at most
 ``bucket_bytes // (prefetch_buckets + 2)`` bytes, plus one unit-sized conversion temporary: the cast copies
@@ -142,11 +148,15 @@ def fill_slots(bucket: _Bucket, slot_of: Any, source: Rank0Source, *, ranks: Any
 def unpack_slot(bucket: _Bucket, buf: torch.Tensor, rank: int, locals_: dict[str, torch.Tensor]) -> None:
     """Copies this rank's pieces of ``bucket`` from the received ``buf`` into its local shards."""
     for piece in bucket.pieces_of(rank):
-        item = piece.item
-        a = item.ranges[rank][0]
-        src = buf[piece.offset : piece.offset + piece.nbytes].view(item.dtype).view(piece.block_shape())
-        dst = locals_[item.name][piece.start - a : piece.stop - a]
-        (dst if piece.sub is None else dst[:, piece.sub[0] : piece.sub[1]]).copy_(src)
+        src = buf[piece.offset : piece.offset + piece.nbytes].view(piece.item.dtype).view(piece.block_shape())
+        _region(piece, locals_).copy_(src)
+
+
+def _region(piece: _Piece, locals_: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Where ``piece`` goes in its rank's local shard (rows, and the dim-1 range of a cut row)."""
+    a = piece.item.ranges[piece.rank][0]
+    dst = locals_[piece.item.name][piece.start - a : piece.stop - a]
+    return dst if piece.sub is None else dst[:, piece.sub[0] : piece.sub[1]]
 
 
 def direct_region(bucket: _Bucket, rank: int, locals_: dict[str, torch.Tensor], device: torch.device,
@@ -295,6 +305,13 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             _received(coll, rank, locals_, stats, *received)
         del staging
 
+    _send_replicated(replicated, source=source, coll=coll, budget=budget, device=device, stats=stats)
+
+
+def _send_replicated(replicated, *, source, coll: Collectives, budget: int, device: torch.device,
+                     stats: DistributeStats) -> None:
+    """Rank 0 broadcasts the replicated tensors, packed: one collective per group of at most ``budget`` bytes."""
+    rank, world = coll.rank, coll.world_size
     groups = replicated_groups(replicated, budget)
     for i, group in enumerate(groups):
         flat = torch.empty(group[-1][1] + group[-1][2], dtype=torch.uint8, device=coll.device)
@@ -309,6 +326,122 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             stats.bytes_received += flat.numel()
         install_from(group, flat, device)
         del flat
+
+
+def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
+              device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
+    """The CPU (gloo) transport: every piece of the plan is one message, sent from rank 0's tensor as it is
+    where it needs no cast (no copy, no bucket buffer: rank 0's private memory stays at its shard) and received
+    straight into the receiving rank's shard where its bytes are contiguous there (no staging copy).
+
+    Pieces that need a copy on rank 0 (a cast, a TP block's columns, ``check_finite``) are read into a reusable
+    :class:`BufferRing` buffer at their planned offsets, so the bound on rank 0's copies in flight is that of
+    :func:`_send_flat`. Bucket ``k + 1`` is posted before bucket ``k`` is waited for; rank 0 prepares buckets
+    ahead in the bounded prefetch thread. Replicated tensors follow, one broadcast per group.
+    """
+    rank, world = coll.rank, coll.world_size
+    buckets = plan_buckets(sharded, world, budget)
+    stats.buckets = len(buckets)
+    largest = max((b.slot_bytes for b in buckets), default=0)
+    if rank == 0:
+        ring = BufferRing(world * largest, coll.device)
+
+        def produce(bucket: _Bucket) -> tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]]:
+            flat, sends = None, []
+            n = bucket.slot_bytes
+            for piece in bucket.pieces:
+                item = piece.item
+                if piece.rank == 0:
+                    source.read_rows(item.name, piece.start, piece.stop, _region(piece, locals_), piece.cols())
+                    out = _region(piece, locals_)
+                else:
+                    view = None
+                    if not check_finite:
+                        view = source.rows_view(item.name, piece.start, piece.stop, item.dtype, piece.cols())
+                    if view is not None and view.numel() == piece.nbytes:
+                        sends.append((piece.rank, view))
+                        continue
+                    if flat is None:
+                        flat = ring.take()
+                    at = piece.rank * n + piece.offset
+                    raw = flat[at : at + piece.nbytes]
+                    out = raw.view(item.dtype).view(piece.block_shape())
+                    source.read_rows(item.name, piece.start, piece.stop, out, piece.cols())
+                    sends.append((piece.rank, raw))
+                if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
+                    raise CheckpointError(
+                        f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
+                        "fix the checkpoint or turn off `check_finite_weights`."
+                    )
+            return flat, sends
+
+        prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
+        total = sum(b.slot_bytes for b in buckets) * world
+        bar = byte_progress(total, "rank0_distribute: send", enabled=progress, rank=rank)
+
+        def finish(sent: tuple) -> None:
+            bucket, flat, sends, pending = sent
+            coll.finish(pending)
+            for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
+                source.release(name)
+            stats.bytes_sent += sum(t.numel() for _, t in sends)
+            bar.update(bucket.slot_bytes * world)
+            if flat is not None:
+                ring.give(flat)
+            prefetcher.release()
+
+        sent = None  # double-buffered: bucket k + 1 is posted before bucket k is waited for
+        try:
+            for bucket, (flat, sends) in zip(buckets, prefetcher):
+                pending = coll.exchange_async(sends, [], what=f"send of bucket {bucket.index + 1}/{len(buckets)}")
+                if sent is not None:
+                    finish(sent)
+                sent = (bucket, flat, sends, pending)
+                del flat, sends
+            if sent is not None:
+                finish(sent)
+                sent = None
+        finally:
+            if sent is not None:  # raising with a bucket still on the wire
+                coll.abandon(sent[3])
+            bar.close()
+            prefetcher.close()
+    else:
+        staging: list[torch.Tensor | None] = [None, None]  # two: one receiving while the other is unpacked
+        received = None
+        for bucket in buckets:
+            recvs, staged = [], []
+            for piece in bucket.pieces_of(rank):
+                region = _region(piece, locals_)
+                if region.is_contiguous() and region.device == coll.device:
+                    recvs.append((0, region.reshape(-1).view(torch.uint8)))
+                    continue
+                k = bucket.index % 2
+                if staging[k] is None:
+                    staging[k] = torch.empty(largest, dtype=torch.uint8, device=coll.device)
+                raw = staging[k][piece.offset : piece.offset + piece.nbytes]
+                recvs.append((0, raw))
+                staged.append((region, raw.view(piece.item.dtype).view(piece.block_shape())))
+            pending = coll.exchange_async([], recvs, what=f"receive of bucket {bucket.index + 1}/{len(buckets)}")
+            if received is not None:
+                try:
+                    _landed(coll, stats, *received)
+                except BaseException:
+                    coll.abandon(pending)
+                    raise
+            received = (recvs, staged, pending)
+        if received is not None:
+            _landed(coll, stats, *received)
+        del staging
+    _send_replicated(replicated, source=source, coll=coll, budget=budget, device=device, stats=stats)
+
+
+def _landed(coll: Collectives, stats: DistributeStats, recvs: list, staged: list, pending: Any) -> None:
+    """Waits for a bucket's messages (see :func:`_send_p2p`) and copies the staged ones into place."""
+    coll.finish(pending)
+    for region, src in staged:
+        region.copy_(src)
+    stats.bytes_received += sum(t.numel() for _, t in recvs)
 
 
 def _received(coll: Collectives, rank: int, locals_: dict[str, torch.Tensor], stats: DistributeStats, bucket: _Bucket,

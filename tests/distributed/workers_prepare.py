@@ -243,7 +243,7 @@ def prepare_killed(rank: int, world_size: int, *, model_dir: str, timeout_s: flo
     acc, _ = _accelerator({"collective_timeout_s": timeout_s, "bucket_bytes": 64 * 1024, "prefetch_buckets": 1, "load_source": "rank0"})
     model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
     if rank == 1:
-        real = collectives.Collectives.scatter_async
+        real = collectives.Collectives.exchange_async
         calls = {"n": 0}
 
         def dying_scatter(self, *args, **kwargs):
@@ -254,7 +254,7 @@ def prepare_killed(rank: int, world_size: int, *, model_dir: str, timeout_s: flo
                 time.sleep(3 * timeout_s)
             return real(self, *args, **kwargs)
 
-        collectives.Collectives.scatter_async = dying_scatter
+        collectives.Collectives.exchange_async = dying_scatter
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     start = time.monotonic()
     try:
