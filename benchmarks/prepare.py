@@ -11,9 +11,13 @@ prepared with ``mixed_precision="bf16"`` (accelerate keeps fp32 master weights, 
 * ``dcp``: rank 0 ``from_pretrained``, other ranks build on meta; the model goes to meta, accelerate's
   wrapping (``_compat.fsdp2_wrap``), ``to_empty``, then torch DCP
   ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)`` from rank 0's state dict.
-* ``memsafe``: ``accelerate_memsafe.from_pretrained`` + ``prepare`` with the plugin's default prepare stages
-  and options (``load_source="auto"``: on one machine every rank reads its own block from the file).
-* ``memsafe_rank0``: the same with ``load_source="rank0"``: rank 0 reads and scatters every block.
+* ``memsafe``: ``accelerate_memsafe.from_pretrained`` + ``prepare`` with the default ``MemSafePlugin()`` (every
+  stage, the live-tensor tracker and the sampler on, ``load_source="auto"``: on one machine every rank reads its
+  own block from the file).
+* ``memsafe_rank0``: the same with ``load_source="rank0"``: rank 0 reads and sends every block.
+
+Every path wraps with accelerate's ``auto_wrap_policy="transformer_based_wrap"`` (each decoder layer its own
+FSDP unit), as people run it.
 
 After each plugin run, with the sampler stopped: the ``rank0_distribute`` stage's wall (from the report) and a
 raw ``dist.scatter`` of the same bytes (each rank's local shard size, from pre-touched buffers, one call)
@@ -21,10 +25,12 @@ into fresh memory (what any load must fill) and into pre-touched memory (the tra
 on this machine, measured in the same process group.
 
 Per rank: peak RSS and peak RssAnon over the process baseline (sampled every 2 ms, VmHWM cross-check),
-wall time of load + prepare, bytes received through ``broadcast``/``scatter`` (counted by wrapping them).
-Prints one JSON line; ``--markdown FILE`` appends a table.
+wall time of load + prepare, bytes received and sent through ``broadcast``/``scatter``/``isend``/``irecv``
+(counted by wrapping them). Per setting and plugin path, the issue-14 checks: the stage against the raw
+scatter, the wall against stock and DCP, rank 0's RssAnon and RSS against stock's, the other ranks against
+their bound. Prints one JSON line per world size; ``--markdown FILE`` appends a table region per world size.
 
-    python benchmarks/prepare.py --model-size 1g --world-size 2 --markdown /tmp/prepare.md
+    python benchmarks/prepare.py --model-size 1g --world-size 2,4 --markdown /tmp/prepare.md
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ from pathlib import Path
 
 MIB = 2**20
 PATHS = ("stock", "dcp", "memsafe", "memsafe_rank0")
+#: accelerate's wrap policy for every path (the layers people wrap: each decoder layer its own FSDP unit)
+WRAP_POLICY = "transformer_based_wrap"
 SETTINGS = {"fp32": ("float32", "no"), "bf16": ("bfloat16", "bf16")}
 
 
@@ -75,9 +83,9 @@ class _Sampler:
 
 
 def _count_received(rank: int) -> dict:
-    """Wraps broadcast/scatter (module and c10d attributes) to count the bytes this rank receives
+    """Wraps broadcast/scatter/isend/irecv (module and c10d attributes) to count the bytes this rank receives
     (``bytes``) and sends (``sent``: a broadcast's tensor once per other rank of its group, a scatter's
-    chunks but its own)."""
+    chunks but its own, every isend)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -101,6 +109,18 @@ def _count_received(rank: int) -> dict:
     for name in ("broadcast", "scatter"):
         orig = getattr(c10d, name)
         wrapped = wrap(orig, name)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+
+    def p2p(fn, key):
+        def inner(tensor, *args, **kwargs):
+            counter[key] += tensor.numel() * tensor.element_size()
+            return fn(tensor, *args, **kwargs)
+
+        return inner
+
+    for name, key in (("isend", "sent"), ("irecv", "bytes")):
+        wrapped = p2p(getattr(c10d, name), key)
         setattr(c10d, name, wrapped)
         setattr(dist, name, wrapped)
     return counter
@@ -130,15 +150,15 @@ def _run(rank: int, world: int, path: str, setting: str, ckpt: str, bucket: int)
     torch.set_num_threads(1)
     dtype_name, mp_name = SETTINGS[setting]
     dtype = getattr(torch, dtype_name)
-    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
+    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True,
+                                                 auto_wrap_policy=WRAP_POLICY or None)
     plugin = None
     if path == "stock":
-        plugin = MemSafePlugin(stages=[], track_live_tensors=False)
-    elif path in ("memsafe", "memsafe_rank0"):
-        plugin = MemSafePlugin(
-            stages=["meta_placement", "shard", "rank0_distribute", "buffer_init"], bucket_bytes=bucket, track_live_tensors=False,
-            load_source="rank0" if path == "memsafe_rank0" else "auto",
-        )
+        plugin = MemSafePlugin(stages=[])
+    elif path == "memsafe":  # the default plugin: every stage, tracker and sampler on, load_source="auto"
+        plugin = MemSafePlugin(bucket_bytes=bucket)
+    elif path == "memsafe_rank0":
+        plugin = MemSafePlugin(bucket_bytes=bucket, load_source="rank0")
     if plugin is not None:
         acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name)
     else:
@@ -315,8 +335,9 @@ def _checkpoint(cache: Path, size: str, setting: str) -> Path:
 
 def _markdown(doc: dict) -> str:
     lines = [
-        f"\nprepare, Llama `{doc['model_size']}`, {doc['world_size']} gloo ranks, bucket_bytes={doc['bucket_mib']:.0f} MiB "
-        f"({doc['timestamp']}):\n",
+        f"\n<!-- table: prepare-{doc['model_size']}-{doc['world_size']}ranks -->\n",
+        f"prepare, Llama `{doc['model_size']}`, {doc['world_size']} gloo ranks, auto_wrap_policy={doc['wrap_policy']}, "
+        f"bucket_bytes={doc['bucket_mib']:.0f} MiB, default plugin options otherwise ({doc['timestamp']}):\n",
         "| setting | P (MiB) | T (MiB) | path | rank | RSS peak (MiB) | RssAnon peak (MiB) | VmHWM (MiB) | received (MiB) | local shard (MiB) | wall (s) | anon bound (MiB) | within |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -339,15 +360,18 @@ def _markdown(doc: dict) -> str:
             f"| {s['setting']} | {q['anon_rank0']:.2f} | {q['anon_rank1']:.2f} | {q['rss_rank0']:.2f} | {q['wall']:.2f} | {q['anon_rank1_vs_dcp']:.2f} |"
         )
     lines.append("")
-    lines.append("| setting | path | load_source | rank0_distribute (s) | raw scatter, fresh destination (s) | ratio | raw scatter, pre-touched (s) | ratio | max wall (s) | / stock | / dcp |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| setting | path | load_source | rank0_distribute (s) | raw scatter, fresh destination (s) | ratio | raw scatter, pre-touched (s) | ratio | max wall (s) | / stock | / dcp | rank 0 RssAnon / stock | rank 0 RSS / stock | ranks > 0 within bound |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in doc["settings"]:
         for path, t in s.get("transport", {}).items():
             lines.append(
                 f"| {s['setting']} | {path} | {t['load_source']} | {t['distribute_s']:.3f} | {t['raw_scatter_fresh_s']:.3f} | "
-                f"{t['distribute_s'] / t['raw_scatter_fresh_s']:.2f} | {t['raw_scatter_s']:.3f} | {t['ratio']:.2f} | "
-                f"{t['wall_s']:.2f} | {t['wall_vs_stock']:.2f} | {t['wall_vs_dcp']:.2f} |"
+                f"{t['ratio_fresh']:.2f} | {t['raw_scatter_s']:.3f} | {t['ratio']:.2f} | "
+                f"{t['wall_s']:.2f} | {t['wall_vs_stock']:.2f} | {t['wall_vs_dcp']:.2f} | "
+                f"{t.get('rank0_anon_vs_stock', float('nan')):.3f} | {t.get('rank0_rss_vs_stock', float('nan')):.2f} | "
+                f"{'yes' if t.get('others_within_bound') else 'no'} |"
             )
+    lines.append("\n<!-- /table -->")
     return "\n".join(lines) + "\n"
 
 
@@ -364,10 +388,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None, *, timeo
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="fp32,bf16", help="settings: fp32 (no mixed precision) and/or bf16 (+ mixed_precision=bf16)")
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--world-size", default="2,4", help="process counts, each measured in the same run (e.g. 2,4)")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--bucket-bytes", default="64MiB")
     args = parse_args(parser, argv, timeout=600)
@@ -377,14 +401,29 @@ def main(argv: list[str] | None = None) -> dict:
     cache = Path(args.cache_dir or os.path.join(tempfile.gettempdir(), "memsafe-bench-prepare"))
     cache.mkdir(parents=True, exist_ok=True)
     paths = [p for p in args.paths.split(",") if p]
+    docs = []
+    for world in [int(w) for w in str(args.world_size).split(",") if w]:
+        doc = _measure(args, world, paths, bucket, cache, argv)
+        print(json.dumps(doc))
+        if args.markdown:
+            with open(args.markdown, "a", encoding="utf-8") as f:
+                f.write(_markdown(doc))
+        docs.append(doc)
+    return docs
+
+
+def _measure(args: argparse.Namespace, world: int, paths: list[str], bucket: int, cache: Path,
+             argv: list[str] | None) -> dict:
+    """Every path and setting at ``world`` ranks, in fresh processes; the figures and the acceptance checks."""
     doc: dict = {
-        "benchmark": "prepare", "model_size": args.model_size, "world_size": args.world_size, "paths": paths,
-        "bucket_mib": bucket / MIB, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "benchmark": "prepare", "model_size": args.model_size, "world_size": world, "paths": paths,
+        "wrap_policy": WRAP_POLICY, "bucket_mib": bucket / MIB,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "python benchmarks/prepare.py " + " ".join(argv if argv is not None else sys.argv[1:]), "settings": [],
     }
     for setting in [s for s in args.dtype.split(",") if s]:
         ckpt = _checkpoint(cache, args.model_size, setting)
-        runs = {p: _launch(args.world_size, p, setting, str(ckpt), bucket, args.timeout) for p in paths}
+        runs = {p: _launch(world, p, setting, str(ckpt), bucket, args.timeout) for p in paths}
         shapes = next(iter(runs.values()))[0]["shapes"]
         sizes = []
         for shape, itemsize in shapes.values():
@@ -393,10 +432,9 @@ def main(argv: list[str] | None = None) -> dict:
                 n *= d
             sizes.append(n)
         P, T = sum(sizes) / MIB, max(sizes) / MIB  # training dtype (after accelerate's upcast)
-        w = args.world_size
         entry = {
             "setting": setting, "P_mib": P, "T_mib": T,
-            "bound_rank1_mib": P / w + T + 64, "bound_rank0_mib": P / w + 2 * bucket / MIB + T + 64,
+            "bound_rank1_mib": P / world + T + 64, "bound_rank0_mib": P / world + 2 * bucket / MIB + T + 64,
             "runs": {p: [{k: v for k, v in r.items() if k != "shapes"} for r in rs] for p, rs in runs.items()},
             "checksums_equal": len({round(sum(r["checksum"] for r in rs), 3) for rs in runs.values()}) == 1,
         }
@@ -417,18 +455,20 @@ def main(argv: list[str] | None = None) -> dict:
         for path in [p for p in runs if p.startswith("memsafe")]:
             rs = runs[path]
             wall = max(r["wall_s"] for r in rs)
-            entry["transport"][path] = {
+            t = entry["transport"][path] = {
                 "load_source": rs[0]["load_source"], "distribute_s": max(r["distribute_s"] for r in rs),
                 "raw_scatter_s": rs[0]["raw_scatter_s"], "raw_scatter_fresh_s": rs[0]["raw_scatter_fresh_s"], "wall_s": wall,
                 "wall_vs_stock": wall / max(r["wall_s"] for r in runs["stock"]) if "stock" in runs else float("nan"),
                 "wall_vs_dcp": wall / max(r["wall_s"] for r in runs["dcp"]) if "dcp" in runs else float("nan"),
             }
-            entry["transport"][path]["ratio"] = entry["transport"][path]["distribute_s"] / rs[0]["raw_scatter_s"]
+            t["ratio"] = t["distribute_s"] / rs[0]["raw_scatter_s"]
+            t["ratio_fresh"] = t["distribute_s"] / rs[0]["raw_scatter_fresh_s"]
+            if "stock" in runs:  # issue 14: rank 0 never above stock, ranks > 0 within their bound
+                s0 = runs["stock"][0]
+                t["rank0_anon_vs_stock"] = rs[0]["anon_peak_mib"] / max(s0["anon_peak_mib"], 1e-9)
+                t["rank0_rss_vs_stock"] = rs[0]["rss_peak_mib"] / max(s0["rss_peak_mib"], 1e-9)
+                t["others_within_bound"] = all(r["anon_peak_mib"] <= entry["bound_rank1_mib"] for r in rs[1:])
         doc["settings"].append(entry)
-    print(json.dumps(doc))
-    if args.markdown:
-        with open(args.markdown, "a", encoding="utf-8") as f:
-            f.write(_markdown(doc))
     return doc
 
 
