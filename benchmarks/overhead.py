@@ -160,9 +160,10 @@ def markdown(doc: dict) -> str:
     """The two tables (wall, then CPU seconds), between ``<!-- table: overhead-<size> -->`` markers."""
     lines = [f"\n<!-- table: overhead-{doc['size']} -->",
              f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW, best "
-             f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}):\n",
-             "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ÷ stock "
-             "| save_state ÷ stock | load_state ÷ stock | added per hook (s): prepare / save / load |",
+             f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
+             "over stock's in the same setting:\n",
+             "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ratio "
+             "| save_state ratio | load_state ratio | added per hook (s): prepare / save / load |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for setting, by_path in doc["runs"].items():
         for path, r in by_path.items():
@@ -175,8 +176,8 @@ def markdown(doc: dict) -> str:
                          f"| {tail} | {ratio} | {add} |")
     lines += ["", "CPU seconds of the busiest rank's process in the hook (every thread; less sensitive than the wall to "
               "other work on the machine), best round:", "",
-              "| setting | path | prepare CPU (s) | save_state CPU (s) | load_state CPU (s) | prepare CPU ÷ stock "
-              "| save_state CPU ÷ stock | load_state CPU ÷ stock |", "|---|---|---|---|---|---|---|---|"]
+              "| setting | path | prepare CPU (s) | save_state CPU (s) | load_state CPU (s) | prepare CPU ratio "
+              "| save_state CPU ratio | load_state CPU ratio |", "|---|---|---|---|---|---|---|---|"]
     for setting, by_path in doc["runs"].items():
         stock = by_path["stock"]
         for path, r in by_path.items():

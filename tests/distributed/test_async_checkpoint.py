@@ -62,7 +62,7 @@ def worker(rank: int, world_size: int, *, root: str) -> dict[str, Any]:
     def fsync(path: Any) -> None:
         if mode["fsync"] == "full":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        time.sleep(0.1)  # a slow disk: the commit is still running when save_state returns
+        time.sleep(0.03)  # a slow disk: the commit is still running when save_state returns
         real_fsync(path)
 
     atomic._fsync_file = fsync
