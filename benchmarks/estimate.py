@@ -284,9 +284,10 @@ def markdown(doc: dict) -> str:
     lines += [
         "",
         "| rows | within 25% | within the floor only | over by no more than rank 0's released copies | not within | "
-        "weight-moving rows | lowest ratio | highest ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "weight-moving rows | weight-moving rows within 25% | lowest ratio | highest ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| {s['rows']} | {s['within_25']} | {s['floor_only']} | {s['released']} | {s['not_within']} | {s['moving_rows']} | "
+        f"{s['moving_within_25']} | "
         f"{s['moving_ratio_min']:.2f} | {s['moving_ratio_max']:.2f} |",
     ]
     return "\n".join(lines) + "\n"
@@ -295,9 +296,11 @@ def markdown(doc: dict) -> str:
 def summarize(rows: list[dict]) -> dict:
     """Counts per rule, and the range of the ratios of the stages that move weights (``rank0_distribute``, stock's
     ``accelerate.prepare``)."""
-    moving = [r["ratio"] for r in rows if r["ratio"] is not None
-              and (r["stage"] == "rank0_distribute" or (r["path"] == "stock" and r["stage"] == "accelerate.prepare"))]
+    moving_rows = [r for r in rows if r["ratio"] is not None
+                   and (r["stage"] == "rank0_distribute" or (r["path"] == "stock" and r["stage"] == "accelerate.prepare"))]
+    moving = [r["ratio"] for r in moving_rows]
     return {
+        "moving_within_25": sum(r["within"] == "25%" for r in moving_rows),
         "rows": len(rows), "within_25": sum(r["within"] == "25%" for r in rows),
         "floor_only": sum(r["within"] == "floor" for r in rows), "released": sum(r["within"] == "released" for r in rows),
         "not_within": sum(r["within"] == "NO" for r in rows),
