@@ -253,19 +253,24 @@ def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path:
     model, not the file, is what every rank must get. Reading the qualifying tensors with ``pread``
     keeps the file's pages out of rank 0's RSS; every other tensor is read from memory.
 
+    Without ``checkpoint_path`` (a model loaded by transformers' own ``from_pretrained``), the checkpoint is
+    the directory of the safetensors files rank 0's weights are mapped from, when there is exactly one.
+
     Returns:
         ``(SafetensorsSource or None, names)``.
     """
+    from ..io.mapped_pages import unmodified_file_pages
+    from ..io.safetensors_source import SafetensorsSource, file_backed_ranges, is_view_of_entry, mapped_checkpoint_dir
+
+    maps = file_backed_ranges(".safetensors")
+    if not checkpoint_path:  # a model transformers loaded zero-copy on this rank: its weights map the files
+        checkpoint_path = mapped_checkpoint_dir(originals.values(), maps)
     if not checkpoint_path:
         return None, set()
-    from ..io.mapped_pages import unmodified_file_pages
-    from ..io.safetensors_source import SafetensorsSource, file_backed_ranges, is_view_of_entry
-
     try:
         source = SafetensorsSource(checkpoint_path)
     except CheckpointError:
         return None, set()
-    maps = file_backed_ranges(".safetensors")
     views = [(n, t) for n, t in originals.items() if n in source.entries and is_view_of_entry(t, source.entries[n], maps)]
     clean = unmodified_file_pages([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in views])
     names = {n for (n, _), ok in zip(views, clean) if ok}

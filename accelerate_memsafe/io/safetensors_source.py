@@ -9,6 +9,7 @@ file pages: what was read sits in the kernel's page cache, which the kernel can 
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import struct
@@ -285,6 +286,34 @@ def file_backed_ranges(path_suffix: str = ".safetensors") -> list[tuple[int, int
     from .mapped_pages import file_mappings
 
     return file_mappings(path_suffix)
+
+
+def mapped_checkpoint_dir(tensors: Iterable[torch.Tensor], maps: list[tuple[int, int, int, str]] | None = None) -> str | None:
+    """The checkpoint directory whose safetensors files ``tensors`` are memory-mapped views of, when they all
+    come from one directory holding ``model.safetensors`` or its index (a model transformers loaded zero-copy);
+    ``None`` otherwise (no view of a mapped file, or files of several directories).
+
+    Example:
+        >>> mapped_checkpoint_dir([torch.ones(4)]) is None  # anonymous memory maps no file
+        True
+    """
+    maps = file_backed_ranges(".safetensors") if maps is None else maps
+    if not maps:
+        return None
+    starts = [lo for lo, _, _, _ in maps]
+    dirs = set()
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        k = bisect.bisect_right(starts, t.data_ptr()) - 1
+        if k >= 0 and t.data_ptr() < maps[k][1]:
+            dirs.add(os.path.dirname(maps[k][3]))
+    if len(dirs) != 1:
+        return None
+    (folder,) = dirs
+    if any(os.path.isfile(os.path.join(folder, n)) for n in ("model.safetensors", "model.safetensors.index.json")):
+        return folder
+    return None
 
 
 def is_view_of_entry(tensor: torch.Tensor, entry: TensorEntry, maps: list[tuple[int, int, int, str]]) -> bool:

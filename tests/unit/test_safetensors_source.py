@@ -97,3 +97,26 @@ def test_a_dim1_range_is_read_as_the_bytes_of_each_row(tmp_path, out_dtype, span
     src.read_block("experts", (1, 4), (span, slice(None)), strided, chunk_bytes=1 << 20)
     assert torch.equal(strided, w[1:4, span].to(out_dtype))
     src.close()
+
+
+def test_the_checkpoint_directory_is_found_from_the_mapping_of_a_zero_copy_load(tmp_path):
+    # transformers' own from_pretrained maps the files: rank 0's source finds the checkpoint from its weights,
+    # so every_rank also serves models not loaded through accelerate_memsafe.from_pretrained
+    from safetensors.torch import load_file, save_file
+    from accelerate_memsafe.io.safetensors_source import file_backed_ranges, mapped_checkpoint_dir
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.arange(4096.0)}, str(tmp_path / name / "model.safetensors"))
+    import mmap
+
+    views = {}
+    for name in ("a", "b"):
+        with open(tmp_path / name / "model.safetensors", "rb") as fh:  # the mapping outlives the descriptor
+            views[name] = torch.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+    maps = file_backed_ranges(".safetensors")
+    assert mapped_checkpoint_dir([views["a"]], maps) == str((tmp_path / "a").resolve())
+    assert mapped_checkpoint_dir([views["a"], torch.ones(8)], maps) == str((tmp_path / "a").resolve())
+    assert mapped_checkpoint_dir([views["a"], views["b"]], maps) is None, "two directories: no single checkpoint"
+    assert mapped_checkpoint_dir([views["a"].clone()], maps) is None, "a copy maps no file"
+    assert torch.equal(load_file(str(tmp_path / "a" / "model.safetensors"))["w"], torch.arange(4096.0))
