@@ -11,7 +11,7 @@ model trained in memory is not pushed to swap.
 A weight loaded that way keeps its address when written in place (the mapping is copy-on-write), so an
 address inside the file mapping does not prove the bytes are the file's: :func:`unmodified_file_pages`
 asks ``/proc/self/pagemap`` which pages are still the file's own; where they all are, the tensor's bytes
-can be taken from the file itself (:func:`file_extents`: the offloaded save copies them in the kernel, so
+can be taken from the file itself (:func:`file_extents`: the offloaded save reads them from there, so
 they never fault into this process). This module is the package's one place that inspects pages
 (``/proc/self/maps``, ``/proc/self/pagemap``, ``madvise``).
 """
@@ -225,8 +225,8 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
 
 @dataclass(frozen=True)
 class FileExtent:
-    """``nbytes`` bytes at ``offset`` of the regular file ``path`` (inode ``ino``): where the kernel can copy a
-    tensor's bytes from (``copy_file_range``) without them passing through this process's memory."""
+    """``nbytes`` bytes at ``offset`` of the regular file ``path`` (inode ``ino``): where a tensor's bytes can be
+    read from the file instead of through a memory mapping of it."""
 
     path: str
     offset: int

@@ -6,17 +6,18 @@ The caller's thread then prepares one conversion group at a time, in plan order:
 tensors (cpu-resident ones as they are, offloaded ones through the offload hooks), reverts transformers'
 weight conversions, checks the result against the plan, and notes for each saved tensor whether its bytes
 already lie in a file (a memory-mapped checkpoint, a disk offload file; :meth:`OffloadedTensorReader.extent`).
-A writer thread (:mod:`.shard_writer`) puts each group at its offsets while the next group is prepared —
-bytes that lie in a file are copied by the kernel, the others written from memory — and a syncer thread
-fsyncs each finished file while the next one is written. Afterwards the index (with the saved names), the
+Writer threads (:mod:`.shard_writer`) put each group at its offsets while the next group is prepared —
+bytes that lie in a file are read from that file, never faulted in through the mapping; by default whole
+blocks go to the disk with ``O_DIRECT``, bypassing the page cache — and a syncer thread fsyncs each
+finished file while the next one is written. Afterwards the index (with the saved names), the
 config and the generation config are written and every file's safetensors header is checked against the
 plan without reading data. Each file is byte-identical to ``safetensors.torch.save_file`` of its tensors
 with transformers' ``{"format": "pt"}`` metadata.
 
 Memory: the bytes of the groups read and not yet written never exceed ``max(max_shard_size, largest
 group)`` (inputs and outputs of a converted group counted), so private memory stays below
-``2 × max(max_shard_size, largest group)`` over the baseline; bytes copied by the kernel never enter
-this process's memory.
+``2 × max(max_shard_size, largest group)`` over the baseline, plus one aligned buffer per writer thread;
+bytes read from their files never map into this process.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .mapped_pages import FileExtent
 from .offload_reader import OffloadedTensorReader
 from .safetensors_layout import SafetensorsLayout, header_shape, safetensors_dtype
 from .shard_plan import ConversionGroup, ShardPlan, TensorSpec, plan_offloaded_save, saveable_state_dict
-from .shard_writer import RELEASE_MODES, ShardWriter, TensorWrite, WriterStats
+from .shard_writer import IO_MODES, RELEASE_MODES, ShardWriter, TensorWrite, WriterStats
 
 INDEX_NAME = "model.safetensors.index.json"
 #: The ``__metadata__`` transformers' ``save_pretrained`` writes into every shard.
@@ -56,7 +57,8 @@ class OffloadedSaveResult:
     """File name -> bytes on disk, for every shard."""
 
     writer: WriterStats = field(default_factory=WriterStats)
-    """Bytes copied by the kernel / written from memory, pages released, the memory budget and its peak."""
+    """Bytes read from files / written from memory / written direct, pages released, the memory budget and its
+    peak."""
 
     @property
     def released_bytes(self) -> int:
@@ -69,8 +71,9 @@ class OffloadedSaveResult:
             **self.plan.summary(),
             "bytes_written": sum(self.files.values()),
             "largest_file_bytes": max(self.files.values(), default=0),
-            "kernel_copied_bytes": self.writer.copied_bytes,
-            "memory_written_bytes": self.writer.written_bytes,
+            "from_files_bytes": self.writer.copied_bytes,
+            "from_memory_bytes": self.writer.written_bytes,
+            "direct_io_bytes": self.writer.direct_bytes,
             "released_mapped_bytes": self.writer.released_bytes,
             "inflight_budget_bytes": self.writer.budget_bytes,
             "inflight_peak_bytes": self.writer.peak_reserved_bytes,
@@ -212,7 +215,7 @@ def _read_checked(reader: OffloadedTensorReader, spec: TensorSpec, source: str, 
 
 def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: OffloadedTensorReader,
                    layout: SafetensorsLayout, filename: str, *, save_original_format: bool,
-                   kernel_copy: bool) -> tuple[list[TensorWrite], list[torch.Tensor]]:
+                   from_files: bool) -> tuple[list[TensorWrite], list[torch.Tensor]]:
     """Reads one conversion group, reverts it, checks it against the plan, and says where each saved tensor
     goes and where its bytes can be copied from.
 
@@ -225,15 +228,15 @@ def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: Offlo
         (spec,), name = group.outputs, sources[0]
         begin, end = layout.ranges[spec.name]
         resident = reader.is_resident(name)
-        extent = reader.extent(name) if kernel_copy else None
+        extent = reader.extent(name) if from_files else None
         if extent is not None and extent.nbytes == end - begin:
-            tensor = reader.read(name) if resident else None  # offloaded: read only if the kernel cannot copy
+            tensor = reader.read(name) if resident else None  # offloaded: loaded only if its file cannot be read
             load = partial(_read_checked, reader, spec, name, filename)
             return [TensorWrite(begin, end - begin, tensor, extent, load)], [tensor] if resident else []
         tensor = _check_output(reader.read(name), spec, sources, filename)
         return [TensorWrite(begin, end - begin, tensor)], [tensor] if resident else []
     loaded = {n: reader.read(n) for n in sources}
-    extents = [(loaded[n], reader.extent(n) if kernel_copy else None) for n in sources]
+    extents = [(loaded[n], reader.extent(n) if from_files else None) for n in sources]
     resident = [t for n, t in loaded.items() if reader.is_resident(n)]
     out = _compat.revert_conversions(model, loaded) if save_original_format else dict(loaded)
     if sorted(out) != sorted(o.name for o in group.outputs):
@@ -252,7 +255,7 @@ def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: Offlo
 def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: ShardPlan, *,
                     save_original_format: bool = True, progress: bool = True,
                     reader: OffloadedTensorReader | None = None, release_pages: str = "unmap",
-                    kernel_copy: bool = True) -> OffloadedSaveResult:
+                    io_mode: str = "direct") -> OffloadedSaveResult:
     """Writes the planned shards, the index and the configs into an existing, empty ``directory`` (no
     temporary directory: the caller owns atomicity, e.g. the ``atomic_checkpoint`` stage). Every shard is
     fsynced before this returns.
@@ -267,8 +270,8 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
         release_pages: What to do, after each shard, with the pages of the memory-mapped cpu weights it read
             (see :class:`~accelerate_memsafe.io.shard_writer.ShardWriter`): ``"unmap"`` (default; drops the
             clean ones from RSS, no I/O), ``"pageout"`` (reclaims them, synchronously), ``"off"``.
-        kernel_copy: Let the kernel copy bytes that lie in a file (``copy_file_range``); ``False`` writes
-            every tensor from memory.
+        io_mode: ``"direct"`` (default), ``"buffered"`` or ``"memory"``: how tensors reach the files (see
+            :mod:`~accelerate_memsafe.io.shard_writer`).
 
     Returns:
         What was written.
@@ -296,7 +299,7 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
     result = OffloadedSaveResult(str(directory), plan)
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Writing offloaded shards", disable=not progress)
     try:
-        with ShardWriter(plan.max_shard_size, kernel_copy=kernel_copy, release_pages=release_pages,
+        with ShardWriter(plan.max_shard_size, io_mode=io_mode, release_pages=release_pages,
                          on_written=bar.update) as writer:
             for shard, layout in zip(plan.shards, layouts):
                 writer.open(directory / shard.filename, layout)
@@ -304,7 +307,7 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
                     writer.reserve(group.memory_bytes)
                     writes, resident = _prepare_group(model, group, reader, layout, shard.filename,
                                                       save_original_format=save_original_format,
-                                                      kernel_copy=kernel_copy)
+                                                      from_files=io_mode != "memory")
                     writer.put(writes, reserved=group.memory_bytes, resident=resident, nbytes=group.nbytes)
                     del writes, resident
                 writer.close()
@@ -333,14 +336,14 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
                    max_shard_size: int | str = "5GB", save_original_format: bool = True,
-                   progress: bool = True, release_pages: str = "unmap", kernel_copy: bool = True) -> OffloadedSaveResult:
+                   progress: bool = True, release_pages: str = "unmap", io_mode: str = "direct") -> OffloadedSaveResult:
     """Saves a model dispatched on cpu and disk shard by shard, with bounded memory.
 
     The shards are planned from names, shapes and dtypes before anything is loaded, so that every group of
     tensors one reverse weight conversion needs lands in one shard, and so is every file's layout; each
-    conversion group is then loaded from the offload hooks, reverted and handed to a writer thread that puts
+    conversion group is then loaded from the offload hooks, reverted and handed to writer threads that put
     it at its offsets while the next group is prepared (bytes that lie in a file — the memory-mapped
-    checkpoint, the disk offload — are copied by the kernel), and each finished file is fsynced in the
+    checkpoint, the disk offload — are read from that file), and each finished file is fsynced in the
     background while the next is written. The checkpoint is written into a temporary directory next to
     ``save_directory`` and swapped into place only once every file was fsynced and checked against the
     plan, so a save that is killed or fails leaves a previous checkpoint there intact.
@@ -358,15 +361,19 @@ def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
             that still hold their file's bytes from this process's RSS (``MADV_DONTNEED``: no I/O),
             ``"pageout"`` has the kernel reclaim them (``MADV_PAGEOUT``, synchronous: costs wall time and a
             re-read on the next use), ``"off"`` leaves them (see :mod:`accelerate_memsafe.io.mapped_pages`).
-        kernel_copy: Let the kernel copy bytes that lie in a file (``copy_file_range``; falls back to
-            writing from memory where the file systems do not support it). ``False`` writes every tensor
-            from memory.
+        io_mode: How tensors reach the files. ``"direct"`` (default): the whole 4 KiB blocks of each tensor are
+            written with ``O_DIRECT`` (no copy into the page cache) from a small aligned buffer, filled from
+            the file the bytes already lie in (the memory-mapped checkpoint, the disk offload) or from memory;
+            the edges and file systems without ``O_DIRECT`` go through the page cache. ``"buffered"``: through
+            the page cache, bytes that lie in a file copied by the kernel (``copy_file_range``). ``"memory"``:
+            every tensor written from memory, as ``safetensors.torch.save_file`` does. Every mode writes the
+            same bytes and fsyncs every file.
 
     Returns:
         What was written (``result.details()`` for a report).
 
     Raises:
-        ConfigError: For a bad ``max_shard_size`` or ``release_pages``.
+        ConfigError: For a bad ``max_shard_size``, ``release_pages`` or ``io_mode``.
         CheckpointError: If a tensor cannot be loaded, the conversions cannot be planned, or the written
             files do not match the plan; nothing is put in place then.
         OSError: If writing or fsyncing a file fails (naming the file); nothing is put in place then.
@@ -378,6 +385,8 @@ def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
     size = parse_size(max_shard_size, what="max_shard_size")
     if release_pages not in RELEASE_MODES:
         raise ConfigError(f"`release_pages={release_pages!r}`; choose one of {', '.join(map(repr, RELEASE_MODES))}.")
+    if io_mode not in IO_MODES:
+        raise ConfigError(f"`io_mode={io_mode!r}`; choose one of {', '.join(map(repr, IO_MODES))}.")
     final = Path(save_directory)
     if final.exists() and not final.is_dir():
         raise CheckpointError(f"`save_directory` {final} is a file; pass a directory.")
@@ -387,7 +396,7 @@ def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
     atomic.begin(temp)
     try:
         result = write_offloaded(model, temp, plan, save_original_format=save_original_format, progress=progress,
-                                 reader=reader, release_pages=release_pages, kernel_copy=kernel_copy)
+                                 reader=reader, release_pages=release_pages, io_mode=io_mode)
         atomic.finalize(temp, final, world_size=1, carry_over=True, extra={"writer": "offloaded_save"})
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

@@ -3,17 +3,26 @@
 The caller opens a file with its :class:`~.safetensors_layout.SafetensorsLayout` (created at its final size,
 header first) and hands the tensors over one conversion group at a time (:class:`TensorWrite`: where they
 go, and their bytes as a tensor and/or as a :class:`~.mapped_pages.FileExtent`). Writer threads put every
-piece at its offset as it arrives, in any order. Bytes that already lie in a file (a memory-mapped
-checkpoint, a disk offload file) are copied by the kernel (``copy_file_range``): they never pass through
-this process's memory, so they do not grow its RSS; the others are written from memory (``pwrite``). When a
-file is closed and its last piece written, a syncer thread fsyncs it while the writers go on with the next
-file: the disk flush is off the caller's path, and :meth:`ShardWriter.finish` returns once every file is on
-disk.
+piece at its offset as it arrives, in any order:
+
+- ``io_mode="direct"`` (default): the part of a piece that covers whole 4 KiB blocks of the file is written
+  with ``O_DIRECT`` from an aligned buffer, filled by ``pread`` from the file the bytes already lie in (a
+  memory-mapped checkpoint, a disk offload file) or copied from memory. The bytes go to the disk without a
+  copy into the page cache, and a mapped weight's pages are never faulted into this process's RSS. The
+  partial blocks at the edges go through the page cache (they share a block with a neighbour). Where the
+  file system refuses ``O_DIRECT``, the piece is written as in ``"buffered"``.
+- ``io_mode="buffered"``: through the page cache; bytes that lie in a file are copied by the kernel
+  (``copy_file_range``), the others written from memory (``pwrite``).
+- ``io_mode="memory"``: every tensor written from memory through the page cache (what ``save_file`` does).
+
+Bytes written through the page cache are handed to the disk right away (``sync_file_range``). When a file is
+closed and its last piece written, a syncer thread fsyncs it while the writers go on with the next file:
+the flush is off the caller's path, and :meth:`ShardWriter.finish` returns once every file is on disk.
 
 Memory: the caller reserves a group's bytes before reading it (:meth:`ShardWriter.reserve`); the writers
 give them back once the group is written. At most ``budget`` bytes are reserved at once (a single group
 larger than the budget goes alone), so with a budget of one shard the caller prepares at most one shard
-ahead of what is being written.
+ahead of what is being written. Each writer thread holds one aligned buffer of :data:`DIRECT_BUFFER_BYTES`.
 
 Errors: the first error of any thread, naming the file, is raised in the caller by its next
 :meth:`~ShardWriter.reserve` or by :meth:`~ShardWriter.finish`; after an error nothing more is written and
@@ -25,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import mmap
 import os
 import queue
 import threading
@@ -38,16 +48,25 @@ from ..memory.procfs import malloc_trim
 from .mapped_pages import CleanFilePages, FileExtent, file_backed_ranges, libc, release_mapped_pages
 from .safetensors_layout import SafetensorsLayout
 
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 #: Largest single read/write (Linux transfers at most 0x7ffff000 bytes per call).
 _MAX_IO = 1 << 30
 #: ``copy_file_range`` errors that mean "not between these files" (another file system, an old kernel, a
 #: file system without it): the bytes are written from memory instead.
 _NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
-#: Writer threads: copies from the page cache are CPU-bound, two keep a disk of ~1 GB/s busy.
+#: Writer threads: filling the buffers is CPU-bound; two keep a disk of about 1 GB/s busy on two cores.
 WRITER_THREADS = 2
 #: Largest piece of a tensor one writer thread copies at once (big tensors are shared between the threads).
 CHUNK_BYTES = 32 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2
+#: How tensors reach the files (see the module docstring).
+IO_MODES = ("direct", "buffered", "memory")
+#: ``O_DIRECT`` alignment of file offsets, lengths and buffers (the file system block; devices need 512 or 4096).
+DIRECT_ALIGN = 4096
+#: A piece's block-aligned part shorter than this goes through the page cache (one syscall beats three).
+DIRECT_MIN_BYTES = 64 * 2**10
+#: The aligned buffer of each writer thread.
+DIRECT_BUFFER_BYTES = 8 * 2**20
 #: What to do with the pages of memory-mapped weights the model holds, once their file is written.
 RELEASE_MODES = ("unmap", "pageout", "off")
 
@@ -60,8 +79,8 @@ class TensorWrite:
         offset: Absolute offset in the file.
         nbytes: Size.
         tensor: The bytes in memory (contiguous, on cpu), or ``None`` when ``load`` gives them.
-        extent: Where the same bytes lie in a file (copied by the kernel), or ``None``.
-        load: Reads the bytes when ``tensor`` is ``None`` and the kernel cannot copy ``extent``.
+        extent: Where the same bytes lie in a file (read from there), or ``None``.
+        load: Reads the bytes when ``tensor`` is ``None`` and ``extent`` cannot be read.
     """
 
     offset: int
@@ -77,9 +96,11 @@ class WriterStats:
 
     files: int = 0
     copied_bytes: int = 0
-    """Bytes the kernel copied from a file (never in this process's memory)."""
+    """Bytes read from the file they already lay in (never faulted into this process through a mapping)."""
     written_bytes: int = 0
     """Bytes written from memory."""
+    direct_bytes: int = 0
+    """Bytes written with ``O_DIRECT`` (not through the page cache)."""
     released_bytes: int = 0
     """Pages of memory-mapped weights handed back to the kernel."""
     budget_bytes: int = 0
@@ -117,21 +138,30 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done : done + _MAX_IO], offset + done)
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous cpu tensor as a flat ``uint8`` tensor (a view, no copy)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
 class _File:
     path: Path
     fd: int
+    direct: int | None
+    """The same file opened with ``O_DIRECT`` (``None``: not supported here)."""
     pending: int = 0
     """Groups handed over and not written yet."""
     closed: bool = False
     resident: list = field(default_factory=list)
     released: bool = False
     """Its descriptor was closed."""
+
+
+def _close(file: _File) -> None:
+    file.released = True
+    os.close(file.fd)
+    if file.direct is not None:
+        os.close(file.direct)
 
 
 @dataclass
@@ -149,13 +179,12 @@ class ShardWriter:
     """A few writer threads, a syncer thread, and the byte budget between them and the caller.
 
     Each group's tensors are cut into pieces of at most :data:`CHUNK_BYTES` that the writer threads take from
-    one queue, so that copies proceed in parallel (a kernel copy from the page cache runs at about 1 GB/s
-    per thread on a small VM); a file goes to the syncer once it is closed and its last piece is written.
+    one queue, so that big tensors are written by both; a file goes to the syncer once it is closed and its
+    last piece is written.
 
     Args:
         budget: Most bytes the caller may have reserved at once (see :meth:`reserve`).
-        kernel_copy: Copy bytes that lie in a file with ``copy_file_range``; ``False`` writes everything
-            from memory.
+        io_mode: ``"direct"``, ``"buffered"`` or ``"memory"`` (see the module docstring).
         release_pages: After each file, what to do with the pages of the memory-mapped weights the model
             holds (passed as ``resident`` to :meth:`put`): ``"unmap"`` drops the pages that still hold their
             file's bytes from this process (``MADV_DONTNEED``: no I/O, they stay in the page cache),
@@ -170,12 +199,16 @@ class ShardWriter:
         >>> #     stats = w.finish()
     """
 
-    def __init__(self, budget: int, *, kernel_copy: bool = True, release_pages: str = "unmap",
+    def __init__(self, budget: int, *, io_mode: str = "direct", release_pages: str = "unmap",
                  threads: int | None = None, on_written: Callable[[int], None] | None = None) -> None:
         if release_pages not in RELEASE_MODES:
             raise ValueError(f"release_pages={release_pages!r}; choose one of {RELEASE_MODES}.")
+        if io_mode not in IO_MODES:
+            raise ValueError(f"io_mode={io_mode!r}; choose one of {IO_MODES}.")
         self.stats = WriterStats(budget_bytes=int(budget))
-        self._kernel_copy = kernel_copy and hasattr(os, "copy_file_range")
+        self._from_files = io_mode != "memory"
+        self._kernel_copy = io_mode != "memory" and hasattr(os, "copy_file_range")
+        self._direct = io_mode == "direct" and hasattr(os, "O_DIRECT")
         self._release = release_pages
         self._on_written = on_written
         self._cond = threading.Condition()  # guards the budget, the counters of files and groups, the stats
@@ -188,6 +221,7 @@ class ShardWriter:
         self._syncs: queue.SimpleQueue = queue.SimpleQueue()
         self._sources: dict[str, int | None] = {}
         self._loading = threading.Lock()
+        self._local = threading.local()
         self._ranges = file_backed_ranges() if release_pages == "pageout" else []
         self._workers = [threading.Thread(target=self._run_writer, name=f"memsafe-shard-writer-{i}", daemon=True)
                          for i in range(max(1, threads or WRITER_THREADS))]
@@ -229,14 +263,20 @@ class ShardWriter:
             OSError: If the file cannot be created (naming it).
         """
         path = Path(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _CLOEXEC, 0o666)
         try:
             os.ftruncate(fd, layout.size)
             _pwrite_all(fd, memoryview(layout.header), 0)
         except OSError as exc:
             os.close(fd)
             raise OSError(exc.errno, exc.strerror, str(path)) from None
-        self._file = _File(path, fd)
+        direct = None
+        if self._direct:
+            try:
+                direct = os.open(path, os.O_WRONLY | os.O_DIRECT | _CLOEXEC)
+            except OSError:
+                self._direct = False  # e.g. tmpfs: through the page cache from now on
+        self._file = _File(path, fd, direct)
         self._files.append(self._file)
 
     def put(self, writes: Sequence[TensorWrite], *, reserved: int, resident: Sequence[torch.Tensor] = (),
@@ -303,8 +343,7 @@ class ShardWriter:
         """Closes the files no thread will close: after an error or an abort, their pieces were dropped."""
         for file in self._files:
             if not file.released:
-                file.released = True
-                os.close(file.fd)
+                _close(file)
         self._files = []
         self._file = None
 
@@ -343,10 +382,8 @@ class ShardWriter:
             if self._stopping or self._error is not None:
                 continue  # drain: nothing more is written
             try:
-                nbytes = min(CHUNK_BYTES, w.nbytes - start)
-                if not self._write(group.file.fd, w, start, nbytes):
+                if not self._write(group.file, w, start, min(CHUNK_BYTES, w.nbytes - start)):
                     group.from_memory = True
-                _start_writeback(group.file.fd, w.offset + start, nbytes)
             except BaseException as exc:  # handed to the caller by reserve() / finish()
                 self._fail(exc, group.file.path)
                 continue
@@ -370,26 +407,95 @@ class ShardWriter:
             except BaseException as exc:  # handed to the caller by reserve() / finish()
                 self._fail(exc, file.path)
             finally:
-                file.released = True
-                os.close(file.fd)
+                _close(file)
 
-    def _write(self, fd: int, w: TensorWrite, start: int, nbytes: int) -> bool:
-        """Writes one piece; ``True`` if the kernel copied it, ``False`` if it was written from memory."""
-        if w.extent is not None and self._kernel_copy and self._copy(w.extent.part(start, nbytes), fd, w.offset + start):
-            with self._cond:
+    def _write(self, file: _File, w: TensorWrite, start: int, nbytes: int) -> bool:
+        """Writes ``nbytes`` of ``w`` from ``start``; ``True`` if every byte was read from a file."""
+        pos = w.offset + start
+        lo = -(-pos // DIRECT_ALIGN) * DIRECT_ALIGN
+        hi = (pos + nbytes) // DIRECT_ALIGN * DIRECT_ALIGN
+        if not (self._direct and file.direct is not None and hi - lo >= DIRECT_MIN_BYTES):
+            return self._write_buffered(file.fd, w, start, nbytes)
+        # The partial blocks at both edges (shared with the neighbours) through the page cache, the rest direct.
+        from_file = True
+        for a, b in ((pos, lo), (hi, pos + nbytes)):
+            if b > a:
+                from_file &= self._write_buffered(file.fd, w, start + a - pos, b - a)
+        return self._write_direct(file, w, start + lo - pos, hi - lo) and from_file
+
+    def _write_buffered(self, fd: int, w: TensorWrite, start: int, nbytes: int) -> bool:
+        pos = w.offset + start
+        copied = (w.extent is not None and self._kernel_copy
+                  and self._copy(w.extent.part(start, nbytes), fd, pos))
+        if not copied:
+            _pwrite_all(fd, memoryview(self._memory(w)[start : start + nbytes].numpy()), pos)
+        _start_writeback(fd, pos, nbytes)
+        with self._cond:
+            if copied:
                 self.stats.copied_bytes += nbytes
-            return True
+            else:
+                self.stats.written_bytes += nbytes
+        return copied
+
+    def _write_direct(self, file: _File, w: TensorWrite, start: int, nbytes: int) -> bool:
+        """Writes an aligned range with ``O_DIRECT`` through this thread's aligned buffer."""
+        buf, view = self._buffer()
+        src = self._source(w.extent) if w.extent is not None and self._from_files else None
+        done, from_file = 0, src is not None
+        while done < nbytes:
+            k = min(len(buf), nbytes - done)
+            got = self._read_extent(src, w.extent.offset + start + done, buf[:k]) if from_file else 0
+            if got != k:
+                from_file = False  # the file is shorter than the extent: from memory
+                view[:k].copy_(self._memory(w)[start + done : start + done + k])
+            pos = w.offset + start + done
+            try:
+                _pwrite_all(file.direct, buf[:k], pos)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False  # alignment this file system does not take: through the page cache
+                _pwrite_all(file.fd, buf[:k], pos)
+            done += k
+        with self._cond:
+            self.stats.direct_bytes += nbytes
+            if from_file:
+                self.stats.copied_bytes += nbytes
+            else:
+                self.stats.written_bytes += nbytes
+        return from_file
+
+    @staticmethod
+    def _read_extent(src: int, offset: int, into: memoryview) -> int:
+        got = 0
+        while got < len(into):
+            n = os.preadv(src, [into[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    def _memory(self, w: TensorWrite) -> torch.Tensor:
+        """The bytes of ``w`` in memory as flat ``uint8`` (loaded once, for every piece, where only the extent
+        was given)."""
         if w.tensor is None:
-            with self._loading:  # the pieces of one tensor load it once
+            with self._loading:
                 if w.tensor is None:
                     w.tensor = w.load()
         data = _tensor_bytes(w.tensor)
         if len(data) != w.nbytes:
             raise RuntimeError(f"a tensor of {len(data)} bytes was handed over for a {w.nbytes}-byte slot")
-        _pwrite_all(fd, data[start : start + nbytes], w.offset + start)
-        with self._cond:
-            self.stats.written_bytes += nbytes
-        return False
+        return data
+
+    def _buffer(self) -> tuple[memoryview, torch.Tensor]:
+        """This thread's page-aligned buffer (anonymous memory), as a memoryview and as a uint8 tensor."""
+        local = self._local
+        if getattr(local, "buf", None) is None:
+            # private anonymous memory (counted in RssAnon), page-aligned as O_DIRECT needs
+            local.map = mmap.mmap(-1, DIRECT_BUFFER_BYTES, flags=mmap.MAP_PRIVATE)
+            local.buf = memoryview(local.map)
+            local.view = torch.frombuffer(local.map, dtype=torch.uint8)
+        return local.buf, local.view
 
     def _source(self, extent: FileExtent) -> int | None:
         """A descriptor of ``extent``'s file, if it still is the file the extent was taken from."""
@@ -397,7 +503,7 @@ class ShardWriter:
             if extent.path not in self._sources:
                 fd = None
                 try:
-                    fd = os.open(extent.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    fd = os.open(extent.path, os.O_RDONLY | _CLOEXEC)
                     if os.fstat(fd).st_ino != extent.ino:
                         os.close(fd)
                         fd = None

@@ -17,8 +17,10 @@ from ..sizes import parse_size
 
 class OffloadedSaveStage(Stage):
     """Replaces accelerate's ``save_model`` for an offloaded model: plans shards so that every reverse
-    weight conversion has its inputs in one shard, loads / reverts / writes / releases one shard at a time,
-    checks the written headers against the plan, and puts the checkpoint in place only when complete.
+    weight conversion has its inputs in one shard, reads and reverts one conversion group at a time while
+    writer threads put the previous ones into their files (bytes that already lie in a file read from
+    there, each finished file fsynced in the background), checks the written headers against the plan, and
+    puts the checkpoint in place only when complete.
 
     ``max_shard_size`` is the one passed to ``save_model`` if any, else the plugin's. When the
     ``atomic_checkpoint`` stage already redirected ``ctx.directory`` to a temporary directory, the files are

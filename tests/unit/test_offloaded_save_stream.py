@@ -1,12 +1,12 @@
 """The streaming writer of ``save_offloaded``: header first, tensors at their offsets, bytes that lie in a file
-copied by the kernel, a writer and a syncer thread ahead of the caller within a byte budget.
+read from there, writer and syncer threads ahead of the caller within a byte budget.
 
 Checked here: the layout is exactly safetensors' (every dtype, odd names, metadata); every written file is
 byte-identical to ``safetensors.torch.save_file`` of the same tensors (a Llama and a Qwen3-MoE whose fused
-experts are split on save), with and without the kernel copy; the kernel copy never copies bytes the
-model does not hold (a weight written in place, a replaced checkpoint file); the caller runs ahead of the
-writer by at most the budget; a failure in either thread reaches the caller and keeps the previous
-checkpoint.
+experts are split on save) in every ``io_mode`` (``O_DIRECT``, page cache with ``copy_file_range``, from
+memory) and with the fallbacks; bytes are never taken from a file that no longer holds what the model
+holds (a weight written in place, a replaced checkpoint file); the caller runs ahead of the writers by at
+most the budget; a failure in any thread reaches the caller and keeps the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -101,14 +101,16 @@ def _same_files(a: Path, b: Path, plan) -> list[str]:
     return [s.filename for s in plan.shards if (a / s.filename).read_bytes() != (b / s.filename).read_bytes()]
 
 
-@pytest.mark.parametrize(("kernel_copy", "release_pages", "piece"),
-                         [(True, "unmap", None), (False, "pageout", 1000), (True, "off", 1000)])
-def test_files_are_byte_identical_to_save_file(offloaded, tmp_path, monkeypatch, kernel_copy, release_pages, piece):
+@pytest.mark.parametrize(("io_mode", "release_pages", "piece"),
+                         [("direct", "unmap", None), ("buffered", "unmap", 10_000), ("memory", "pageout", 10_000),
+                          ("direct", "off", 10_000)])
+def test_files_are_byte_identical_to_save_file(offloaded, tmp_path, monkeypatch, io_mode, release_pages, piece):
     name, model, limit = offloaded
+    monkeypatch.setattr(shard_writer, "DIRECT_MIN_BYTES", 4096)  # the tiny models' tensors take O_DIRECT too
     if piece:  # tensors cut into many pieces, written by both writer threads in any order
         monkeypatch.setattr(shard_writer, "CHUNK_BYTES", piece)
     result = save_offloaded(model, tmp_path / "out", max_shard_size=limit, progress=False,
-                            kernel_copy=kernel_copy, release_pages=release_pages)
+                            io_mode=io_mode, release_pages=release_pages)
     plan = result.plan
     assert len(plan.shards) > 2
     if name == "qwen3_moe":
@@ -117,41 +119,55 @@ def test_files_are_byte_identical_to_save_file(offloaded, tmp_path, monkeypatch,
     assert _same_files(tmp_path / "out", tmp_path / "ref", plan) == []
     stats = result.writer
     assert stats.copied_bytes + stats.written_bytes == plan.total_bytes
-    if kernel_copy:
+    if io_mode != "memory":
         # Every tensor of the tiny Llama lies in a file (mapped checkpoint or disk offload); the Qwen3-MoE's
         # cpu-resident fused experts were fused in memory on load, its disk ones were offloaded to files.
         assert stats.copied_bytes == plan.total_bytes if name == "llama" else 0 < stats.copied_bytes < plan.total_bytes
     else:
         assert stats.copied_bytes == 0
-    # Pages are released only where tensors were written from memory (a kernel copy faults none in).
-    assert (stats.released_bytes > 0) == (not kernel_copy and release_pages != "off")
+    assert (stats.direct_bytes > 0) == (io_mode == "direct")
+    # Pages are released only where tensors were written from memory (reading the file faults none in).
+    assert (stats.released_bytes > 0) == (io_mode == "memory" and release_pages != "off")
 
 
-def test_a_refused_kernel_copy_falls_back_to_memory(offloaded, tmp_path, monkeypatch):
+def test_refused_kernel_copies_and_direct_io_fall_back_to_the_page_cache(offloaded, tmp_path, monkeypatch):
+    """``copy_file_range`` across file systems (EXDEV) and ``O_DIRECT`` on one that refuses it (EINVAL, e.g.
+    tmpfs) each fail once; the save goes on through the page cache from memory, with the same bytes."""
     _, model, limit = offloaded
     calls = []
+    real_open = os.open
 
     def cross_device(*args):
-        calls.append(args)
+        calls.append("copy_file_range")
         raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
 
+    def no_direct(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            calls.append("O_DIRECT")
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kwargs)
+
     monkeypatch.setattr(os, "copy_file_range", cross_device)
+    monkeypatch.setattr(os, "open", no_direct)
     result = save_offloaded(model, tmp_path / "out", max_shard_size=limit, progress=False)
-    assert len(calls) == 1  # not tried again in the same save
-    assert result.writer.copied_bytes == 0 and result.writer.written_bytes == result.plan.total_bytes
+    assert sorted(calls) == ["O_DIRECT", "copy_file_range"]  # each tried once in the save
+    assert result.writer.copied_bytes == result.writer.direct_bytes == 0
+    assert result.writer.written_bytes == result.plan.total_bytes
     monkeypatch.undo()
     _save_file_reference(model, result.plan, tmp_path / "ref")
     assert _same_files(tmp_path / "out", tmp_path / "ref", result.plan) == []
 
 
-def test_bad_release_pages_is_refused_before_anything_is_written(offloaded, tmp_path):
+def test_bad_options_are_refused_before_anything_is_written(offloaded, tmp_path):
     _, model, _ = offloaded
     with pytest.raises(ConfigError, match="release_pages='sometimes'"):
         save_offloaded(model, tmp_path / "out", release_pages="sometimes", progress=False)
+    with pytest.raises(ConfigError, match="io_mode='mmap'.*'direct', 'buffered', 'memory'"):
+        save_offloaded(model, tmp_path / "out", io_mode="mmap", progress=False)
     assert not any(tmp_path.iterdir())
 
 
-# -- what the kernel may copy --------------------------------------------------------------------------------
+# -- what may be read from a file ---------------------------------------------------------------------------
 @pytest.fixture
 def llama_on_cpu_and_disk(tmp_path):
     from transformers import AutoModelForCausalLM
@@ -301,14 +317,15 @@ def _no_writer_threads() -> bool:
     return not any(t.name.startswith("memsafe-shard-") for t in threading.enumerate())
 
 
-@pytest.mark.parametrize("where", ["write", "fsync", "caller"])
+@pytest.mark.parametrize("where", ["write", "direct write", "fsync", "caller"])
 def test_a_failure_reaches_the_caller_and_keeps_the_previous_checkpoint(llama_on_cpu_and_disk, monkeypatch, where):
     model, root = llama_on_cpu_and_disk
+    monkeypatch.setattr(shard_writer, "DIRECT_MIN_BYTES", 4096)
     target = root / "ckpt"
     save_offloaded(model, target, max_shard_size=60_000, progress=False)
     before = _digest(target)
     calls = [0]
-    if where == "write":  # the disk fills up while the writer thread writes the third tensor
+    if where in ("write", "direct write"):  # the disk fills up while a writer thread writes the third piece
         real = shard_writer._pwrite_all
 
         def pwrite(fd, data, offset):
@@ -342,7 +359,8 @@ def test_a_failure_reaches_the_caller_and_keeps_the_previous_checkpoint(llama_on
         monkeypatch.setattr(offloaded_save, "_prepare_group", prepare)
         expected = (KeyboardInterrupt, None)
     with pytest.raises(expected[0], match=expected[1]):
-        save_offloaded(model, target, max_shard_size=60_000, progress=False, kernel_copy=False)
+        save_offloaded(model, target, max_shard_size=60_000, progress=False,
+                       io_mode="direct" if where == "direct write" else "memory")
     assert calls[0] >= 2
     assert _digest(target) == before, "the previous checkpoint was modified"
     atomic.check_loadable(target)
