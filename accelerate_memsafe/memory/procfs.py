@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 from dataclasses import dataclass
 
@@ -96,16 +97,23 @@ def reset_peak_rss() -> bool:
         return False
 
 
+@functools.cache
+def _libc():
+    # find_library runs `ldconfig -p` in a subprocess: once per process, not once per call.
+    name = ctypes.util.find_library("c")
+    if not name or os.name != "posix":
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
 def malloc_trim() -> None:
     """Returns glibc's freed heap to the kernel so that RSS reflects what is really alive.
 
     A no-op where glibc is not the allocator.
     """
-    name = ctypes.util.find_library("c")
-    if not name or os.name != "posix":
-        return
-    try:
-        libc = ctypes.CDLL(name)
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        return
