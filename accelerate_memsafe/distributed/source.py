@@ -10,6 +10,10 @@ import torch
 from ..io.mapped_pages import CleanFilePages
 from ..io.safetensors_source import SafetensorsSource
 
+#: Private bytes released between two ``malloc_trim`` calls on rank 0 (a trim walks the heap: a few ms).
+TRIM_EVERY_BYTES = 32 << 20
+
+
 class Rank0Source:
     """Where rank 0 reads the weights from: the model's original tensors (possibly mmap-backed), or, per
     tensor, a safetensors checkpoint read with ``pread``.
@@ -40,6 +44,7 @@ class Rank0Source:
         self._pages = CleanFilePages({id(t): t for t in self.tensors.values()}.values())
         self._mapped: set[str] = set()  # checkpoint names that were read through the mapping after all
         self.released_bytes = 0
+        self._freed = 0  # private bytes released since the last trim
 
     def is_meta(self, name: str) -> bool:
         return name not in self.from_checkpoint and self.tensors[name].is_meta
@@ -75,13 +80,24 @@ class Rank0Source:
         return t[start:stop].reshape(-1).view(torch.uint8)
 
     def release(self, name: str) -> None:
-        """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel."""
+        """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel, and
+        private memory freed since the last time (e.g. fused MoE experts, built in memory by transformers) to
+        it every :data:`TRIM_EVERY_BYTES` (glibc keeps freed heap below its dynamic mmap threshold)."""
         t = self.tensors.pop(name, None)
         for alias in self._aliases.pop(id(t), ()) if t is not None else ():
             self.tensors.pop(alias, None)  # the other names of a tie: the tensor has been sent
         if t is None or (name in self.from_checkpoint and name not in self._mapped):
             return
-        self.released_bytes += self._pages.drop(t)
+        dropped = self._pages.drop(t)
+        self.released_bytes += dropped
+        if not dropped and t.device.type == "cpu" and not t.is_meta:
+            self._freed += t.numel() * t.element_size()
+            del t
+            if self._freed >= TRIM_EVERY_BYTES:
+                from ..memory.procfs import malloc_trim
+
+                malloc_trim()
+                self._freed = 0
 
     def close(self) -> None:
         self.tensors.clear()
