@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from prepare import spawn  # the launcher of the sibling benchmark
@@ -65,7 +66,7 @@ def _accelerator(path: str, world: int):
     return Accelerator(plugins=[MemSafePlugin(**options)], fsdp_plugin=fsdp_plugin)
 
 
-def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -> dict:
+def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
     from transformers import LlamaForCausalLM
@@ -86,7 +87,9 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -
         cpu[hook].append(time.process_time() - c0)  # every thread of the process: the sampler's too
         return time.perf_counter() - t0, out
 
-    model = LlamaForCausalLM(llama_config(size))
+    # a checkpoint loaded with transformers' own from_pretrained on every rank (as scripts do), or (ckpt=None) the
+    # same random weights built on every rank
+    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else LlamaForCausalLM(llama_config(size))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -113,22 +116,23 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str) -
             "cpu": cpu}
 
 
-def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, queue) -> None:
+def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None,
+            queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     if world == 1:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key)
     try:
-        queue.put((rank, "ok", _run(rank, world, path, size, repeats, work)))
+        queue.put((rank, "ok", _run(rank, world, path, size, repeats, work, ckpt)))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _launch(world: int, path: str, size: str, repeats: int) -> dict:
+def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None) -> dict:
     """One launch: per hook, the slowest rank's wall in each round, then the best round."""
     with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
-        ranks = spawn(_worker, world, (world, path, size, repeats, work), 1800, f"{path}/{world}")
+        ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt), 1800, f"{path}/{world}")
     out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
     for key in ("save_state_s", "commit_tail_s", "load_state_s"):
         out[key] = min(max(r[key][i] for r in ranks) for i in range(repeats))
@@ -137,12 +141,21 @@ def _launch(world: int, path: str, size: str, repeats: int) -> dict:
     return out
 
 
-def measure(size: str, paths: list[str], settings: list[str], launches: int, repeats: int, log=print) -> dict:
+def measure(size: str, paths: list[str], settings: list[str], launches: int, repeats: int, log=print,
+            load: str = "checkpoint") -> dict:
+    ckpt = None
+    if load == "checkpoint":  # built once, kept for reuse (a random-init Llama saved with save_pretrained)
+        from accelerate_memsafe.models import save_llama
+
+        ckpt = Path(tempfile.gettempdir()) / "memsafe-bench-overhead" / f"llama-{size}"
+        if not (ckpt / "config.json").exists():
+            save_llama(ckpt, size)
+        ckpt = str(ckpt)
     runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
             for path in paths:
-                got = _launch(SETTINGS[setting], path, size, repeats)
+                got = _launch(SETTINGS[setting], path, size, repeats, ckpt)
                 best = runs[setting][path]
                 for key, value in got.items():
                     best[key] = min(best.get(key, float("inf")), value)
@@ -151,7 +164,7 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
               for s in settings}
     added = {s: {p: {h: runs[s][p][h] - runs[s]["stock"][h] for h in HOOKS} for p in paths if p != "stock"}
              for s in settings}
-    return {"benchmark": "overhead", "size": size, "launches": launches, "repeats": repeats, "runs": runs,
+    return {"benchmark": "overhead", "size": size, "load": load, "launches": launches, "repeats": repeats, "runs": runs,
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
@@ -159,7 +172,8 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
 def markdown(doc: dict) -> str:
     """The two tables (wall, then CPU seconds), between ``<!-- table: overhead-<size> -->`` markers."""
     lines = [f"\n<!-- table: overhead-{doc['size']} -->",
-             f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW, best "
+             f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW "
+             f"({'loaded from its checkpoint by transformers on every rank' if doc.get('load') == 'checkpoint' else 'the same random weights built on every rank'}), best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
              "over stock's in the same setting:\n",
              "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ratio "
@@ -195,6 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--paths", default="stock,default", help=f"comma-separated, from {', '.join(PATHS)}")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
+    parser.add_argument("--load", default="checkpoint", choices=("checkpoint", "config"),
+                        help="the model: from_pretrained of a saved checkpoint on every rank, or built from the config")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     settings = [s for s in args.settings.split(",") if s]
@@ -202,7 +218,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown or "stock" not in paths:
         parser.error(f"unknown path/setting {unknown}, or no `stock` path to compare with")
     doc = measure(args.size, paths, settings, args.launches, args.repeats,
-                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                  log=lambda msg: print(msg, file=sys.stderr, flush=True), load=args.load)
     print(json.dumps(doc))
     if args.markdown:
         with open(args.markdown, "a", encoding="utf-8") as f:
