@@ -58,15 +58,15 @@ class Rank0DistributeStage(Stage):
     def run(self, ctx: HookContext) -> StageOutcome:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
-        device = torch.device("cpu") if offload else ctx.device
-        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
-        source = ctx.scratch.pop(SOURCE_KEY, None)
         from ..memory.procfs import malloc_trim
 
         # the earlier stages' temporaries (pagemap reads, the layout exchange) were freed into glibc's heap:
         # hand them back before the shards are allocated, so the heap they leave behind is not added to the peak
         malloc_trim()
+        offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
+        device = torch.device("cpu") if offload else ctx.device
+        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        source = ctx.scratch.pop(SOURCE_KEY, None)
         rank0_checkpoint = source.checkpoint if source is not None else None  # rank 0 only
         mode = self.options.load_source
         nodes = find_nodes(coll) if mode in ("auto", "node") else None

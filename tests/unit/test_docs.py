@@ -576,6 +576,8 @@ ALLOWED: list[tuple[str, str]] = [
     ("docs/prepare.md", "one 16 MiB chunk"),
     ("docs/prepare.md", "(+ 4 KiB of collective scratch)"),  # the structural test's allowance
     ("docs/guarantees.md", "then a 1 ms"),  # the NCCL wait's poll interval
+    ("docs/offloaded_save.md", "in pieces of at most 32 MiB"),  # shard_writer.CHUNK_BYTES
+    ("docs/offloaded_save.md", "whole 4 KiB blocks written"),  # the O_DIRECT block size
 ]
 
 
