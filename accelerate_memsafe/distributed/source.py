@@ -3,6 +3,7 @@ or, per tensor, the safetensors file read with ``pread``."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import torch
@@ -10,8 +11,11 @@ import torch
 from ..io.mapped_pages import CleanFilePages
 from ..io.safetensors_source import SafetensorsSource
 
-#: Private bytes released between two ``malloc_trim`` calls on rank 0 (a trim walks the heap: a few ms).
-TRIM_EVERY_BYTES = 32 << 20
+#: Private bytes released between two ``malloc_trim`` calls on rank 0. A trim costs 15-35 us when there is little
+#: to hand back (a transformers-loaded Qwen3-MoE in bf16), plus the kernel's work on the pages it returns, which
+#: is due anyway; trimming often makes rank 0's memory fall as soon as a private copy is sent, whatever glibc's
+#: dynamic mmap threshold did with that copy (a chunk below it stays in the heap until trimmed).
+TRIM_EVERY_BYTES = 1 << 20
 
 
 class Rank0Source:
@@ -45,6 +49,7 @@ class Rank0Source:
         self._mapped: set[str] = set()  # checkpoint names that were read through the mapping after all
         self.released_bytes = 0
         self._freed = 0  # private bytes released since the last trim
+        self._lock = threading.Lock()
 
     def is_meta(self, name: str) -> bool:
         return name not in self.from_checkpoint and self.tensors[name].is_meta
@@ -83,21 +88,22 @@ class Rank0Source:
         """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel, and
         private memory freed since the last time (e.g. fused MoE experts, built in memory by transformers) to
         it every :data:`TRIM_EVERY_BYTES` (glibc keeps freed heap below its dynamic mmap threshold)."""
-        t = self.tensors.pop(name, None)
-        for alias in self._aliases.pop(id(t), ()) if t is not None else ():
-            self.tensors.pop(alias, None)  # the other names of a tie: the tensor has been sent
-        if t is None or (name in self.from_checkpoint and name not in self._mapped):
-            return
-        dropped = self._pages.drop(t)
-        self.released_bytes += dropped
-        if not dropped and t.device.type == "cpu" and not t.is_meta:
-            self._freed += t.numel() * t.element_size()
-            del t
-            if self._freed >= TRIM_EVERY_BYTES:
-                from ..memory.procfs import malloc_trim
+        with self._lock:  # the prefetch thread releases what it copied, the sending thread what it sent
+            t = self.tensors.pop(name, None)
+            for alias in self._aliases.pop(id(t), ()) if t is not None else ():
+                self.tensors.pop(alias, None)  # the other names of a tie: the tensor has been sent
+            if t is None or (name in self.from_checkpoint and name not in self._mapped):
+                return
+            dropped = self._pages.drop(t)
+            self.released_bytes += dropped
+            if not dropped and t.device.type == "cpu" and not t.is_meta:
+                self._freed += t.numel() * t.element_size()
+                del t
+                if self._freed >= TRIM_EVERY_BYTES:
+                    from ..memory.procfs import malloc_trim
 
-                malloc_trim()
-                self._freed = 0
+                    malloc_trim()
+                    self._freed = 0
 
     def close(self) -> None:
         self.tensors.clear()

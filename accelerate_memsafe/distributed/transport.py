@@ -345,6 +345,7 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
     largest = max((b.slot_bytes for b in buckets), default=0)
     if rank == 0:
         ring = BufferRing(world * largest, coll.device)
+        viewed: set[str] = set()  # tensors a piece of which is sent as rank 0's own bytes (kept until sent)
 
         def produce(bucket: _Bucket) -> tuple[torch.Tensor | None, list[tuple[int, torch.Tensor]]]:
             flat, sends = None, []
@@ -360,6 +361,7 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
                         view = source.rows_view(item.name, piece.start, piece.stop, item.dtype, piece.cols())
                     if view is not None and view.numel() == piece.nbytes:
                         sends.append((piece.rank, view))
+                        viewed.add(item.name)
                         continue
                     if flat is None:
                         flat = ring.take()
@@ -373,6 +375,11 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
                         f"weight `{item.name}` (rows {piece.start}..{piece.stop}) on rank 0 contains NaN or Inf; "
                         "fix the checkpoint or turn off `check_finite_weights`."
                     )
+            # a tensor whose every piece was copied (cast into the ring, or into rank 0's shard) is not needed
+            # any more: freed now, before the next bucket is prepared, not once this one is on the wire
+            for name in bucket.last_of:
+                if name not in viewed:
+                    source.release(name)
             return flat, sends
 
         prefetcher = BoundedPrefetcher(produce, buckets, max_alive=prefetch_buckets + 1)
@@ -382,8 +389,9 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
         def finish(sent: tuple) -> None:
             bucket, flat, sends, pending = sent
             coll.finish(pending)
-            for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
-                source.release(name)
+            for name in bucket.last_of:  # after the send: a piece was sent from the tensor itself
+                if name in viewed:
+                    source.release(name)
             stats.bytes_sent += sum(t.numel() for _, t in sends)
             bar.update(bucket.slot_bytes * world)
             if flat is not None:

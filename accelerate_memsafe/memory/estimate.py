@@ -38,9 +38,13 @@ Per stage, rank 0 / the other ranks:
   - receive: on gloo, pieces land in the shard itself, except rows longer than b / N (cut along dim 1, not
     contiguous there: two staging buffers of b / N); with other backends one buffer of b / N.
 
-  Rank 0 frees the private copies it sends (e.g. the fused experts transformers built) as it goes; how much of
-  that the allocator hands back to the kernel varies, so rank 0 can measure below this estimate by up to
-  those copies (:func:`released_by_rank0`).
+  On rank 0 (CPU shards) the shard and ring terms are not summed whole: :func:`rank0_send_peak` walks the
+  buckets, counting the shard pages written so far, the ring buffers touched, and the private copies already
+  freed (e.g. the fused experts transformers built: freed, and trimmed back to the kernel, as soon as their
+  last piece is copied). It assumes the prefetch thread runs k buckets ahead of the sends, the most it may;
+  when the sends keep up, fewer ring buffers are touched and more copies are freed before the peak, so rank 0
+  measures lower (``benchmarks/estimate.py`` labels a rank-0 row ``released`` when it is below the estimate by
+  more than 25% but by no more than the private copies rank 0 frees, :func:`released_by_rank0`).
 
 * ``buffer_init``, ``accelerate.prepare`` after the plugin's stages: 0 (the model is sharded and filled).
 * stock ``accelerate.prepare``: shard + U + ``FULLY_SHARD_OVERHEAD``, ranks > 0 + 2T. U = P - C when mixed
@@ -358,7 +362,59 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
     group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
     if on_device:
         return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
+    if rank == 0 and load_source != "node":
+        sent = rank0_send_peak(lay, local, scattered, copied=[id(t) for t in copied], budget=budget,
+                               prefetch_buckets=prefetch_buckets)
+        return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece) + group
+                         + DISTRIBUTE_OVERHEAD)
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
+
+
+def rank0_send_peak(lay: Layout, local: list[TensorSpec], scattered: list[TensorSpec], *, copied: list[int],
+                    budget: int, prefetch_buckets: int) -> int:
+    """Rank 0's highest (shard pages written + ring buffers touched - private copies handed back) while it sends
+    ``scattered``, bucket by bucket, on the CPU.
+
+    The shards are allocated untouched (``torch.empty``: a page counts once written). The blocks rank 0 read
+    itself (``local``) are written first. Bucket j carries each rank's next b / N bytes of its rows, in model
+    order; preparing it writes rank 0's slot into its shard and, for the tensors in ``copied`` (by ``id``: a
+    cast, or every tensor with a scatter), the other ranks' slots into one of the k + 1 reused ring buffers
+    ((N - 1) / N of it). A tensor built in private memory (not mapped: e.g. fused experts) is freed, and the
+    memory trimmed back to the kernel, as soon as its last bucket is prepared when all its pieces were copied,
+    or once that bucket is sent (before bucket j + k + 1 is prepared) when a piece went out as its own bytes.
+
+    Example:
+        >>> experts = [TensorSpec(f"e{i}", (4, 4 << 20), None) for i in range(4)]  # 32 MiB bf16 each, built in memory
+        >>> lay = layout(experts, world_size=4, load_bytes=2, mixed_precision="bf16")
+        >>> ids = [id(t) for t in lay.tensors]
+        >>> lay.shard >> 20, rank0_send_peak(lay, [], list(lay.tensors), copied=ids, budget=16 << 20, prefetch_buckets=2) >> 20
+        (64, 52)
+    """
+    n, k = lay.world_size, prefetch_buckets
+    slot = max(1, budget // n)
+    copied_ids = set(copied)
+    own = [lay.block_bytes(t) for t in scattered]
+    total = sum(own)
+    buckets = max(1, -(-total // slot))
+    freed_at = [0] * (buckets + k + 2)  # private bytes back with the kernel before bucket j is prepared
+    ringed = [0] * buckets  # bytes of copied pieces in bucket j (all ranks' slots)
+    end = 0
+    for t, b in zip(scattered, own):
+        first, end = end // slot, end + b
+        last = max(first, (end - 1) // slot)
+        if id(t) in copied_ids:
+            for j in range(first, last + 1):
+                ringed[j] += (min(end, (j + 1) * slot) - max(end - b, j * slot)) * n
+        if not lay.is_mapped(t):
+            freed_at[last + 1 if id(t) in copied_ids else last + k + 1] += t.numel * lay.source_itemsize(t)
+    local_bytes = sum(lay.block_bytes(t) for t in local)
+    peak = freed = 0
+    hosted: list[int] = []  # the k + 1 largest buckets copied so far: the ring bytes touched (buffers are reused)
+    for j in range(buckets):
+        freed += freed_at[j]
+        hosted = sorted(hosted + [ringed[j]], reverse=True)[: k + 1]
+        peak = max(peak, local_bytes + min(total, (j + 1) * slot) + sum(hosted) * (n - 1) // n - freed)
+    return peak
 
 
 def released_by_rank0(lay: Layout) -> int:

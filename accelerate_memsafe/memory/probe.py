@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .procfs import read_proc_memory, read_rss_anon
+from .procfs import malloc_trim, read_proc_memory, read_rss_anon
 from .tracker import LiveTensorTracker
 
 #: Sampling interval of the RSS thread. 2 ms catches transient peaks of a few hundred MB at memcpy speed.
@@ -176,6 +176,10 @@ class MemoryProbe:
             self._dev_sampled_peak = max(self._dev_sampled_peak, _allocated(self._dev, self._dev_device))
 
     def __enter__(self) -> MemoryProbe:
+        # glibc keeps heap an earlier step freed (below its mmap threshold) until trimmed: hand it back first
+        # (15-35 us when there is little), so the start, and every peak over it, counts what the region holds
+        # rather than what happened to be freed before it and is handed back inside it
+        malloc_trim()
         self._start_mem = read_proc_memory()
         self._dev = _device_module(self.device)
         if self._dev is not None:

@@ -46,11 +46,18 @@ def test_rank1_never_allocates_a_full_parameter_and_rank0_stays_within_the_bucke
     # rank 0: bucket buffers + conversion temporaries alive at once (its shards are allocated by DTensor's
     # own dispatch, below the tracker) never exceed bucket_bytes
     assert rank0["tracker_peak"] <= BUCKET + SLACK, rank0["tracker_peak"]
+    threads = {t for _, t in rank0["releases"]}
+    assert len(rank0["releases"]) >= len(rank0["full_shapes"]) and rank1["releases"] == []
     if setting == "fp32":  # pieces are sent from rank 0's own tensors as they are: no bucket buffer at all
         bucket_sized = [a for a in rank0["allocs"] if len(a[1]) == 1 and a[2] >= BUCKET // 8 and "empty" in a[0]]
         assert bucket_sized == [], bucket_sized
+        # a tensor sent as its own bytes is released by the sending thread once its last bucket is on the wire
+        assert threads == {"MainThread"}, threads
     else:
         assert rank0["tracker_peak"] >= BUCKET // 2, "several buckets in flight: the prefetch is in use"
+        # every piece was cast into the ring: each source is freed as soon as its last piece is copied, by the
+        # prefetch thread, before the next bucket is prepared (not once the bucket is sent)
+        assert threads == {"memsafe-prefetch"}, threads
     rec = [r for r in rank0["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 0][0]
     assert rec["details"]["buckets"] >= 10
 

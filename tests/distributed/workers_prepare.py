@@ -175,12 +175,29 @@ def prepare_llama(
         allocs.append((func, tuple(t.shape), t.untyped_storage().nbytes()))
 
     tracker = LiveTensorTracker(on_alloc=on_alloc) if track else None
-    if tracker is not None:
-        with tracker:
+    # which thread releases each of rank 0's source tensors (the prefetch thread frees what it copied)
+    import threading
+
+    from accelerate_memsafe.distributed.source import Rank0Source
+
+    releases: list[tuple[str, str]] = []
+    real_release = Rank0Source.release
+
+    def release(self, name: str) -> None:
+        releases.append((name, threading.current_thread().name))
+        real_release(self, name)
+
+    Rank0Source.release = release
+    try:
+        if tracker is not None:
+            with tracker:
+                model, opt = acc.prepare(model, opt)
+        else:
             model, opt = acc.prepare(model, opt)
-    else:
-        model, opt = acc.prepare(model, opt)
+    finally:
+        Rank0Source.release = real_release
     out = _describe(model)
+    out["releases"] = releases
     if full:  # every rank ends with rank 0's (here: the file's) weights, whatever the mesh
         reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         with torch.no_grad():
