@@ -13,6 +13,7 @@ import bisect
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,19 @@ class SafetensorsSource:
                     raise CheckpointError(f"tensor `{name}` appears in both {self.entries[name].file} and {file}.")
                 self.entries[name] = entry
         self._fds: dict[str, int] = {}
+        self._scratch = threading.local()  # one reused buffer per thread for the rows a cast reads
+
+    def _rows_buffer(self, entry: TensorEntry, rows: int) -> torch.Tensor:
+        """A tensor for ``rows`` rows of ``entry`` in the file's dtype, in this thread's reused scratch buffer:
+        rows read only to be cast are read into the same memory every time, so a long series of reads of
+        varying sizes does not fragment the heap (a 1g Llama read in bf16 into fp32 shards, chunk by chunk, kept
+        about 390 MiB of freed chunks resident on each rank)."""
+        nbytes = rows * entry.row_bytes
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            self._scratch.buf = buf = None
+            self._scratch.buf = buf = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes].view(entry.dtype).view((rows, *entry.shape[1:]) if entry.shape else ())
 
     @staticmethod
     def _resolve(path: Path) -> list[str]:
@@ -230,7 +244,7 @@ class SafetensorsSource:
         done = 0
         for s in range(a, b, step):
             e = min(b, s + step)
-            rows_read = self.read(name, s, e)
+            rows_read = self.read(name, s, e, out=self._rows_buffer(entry, e - s))
             out[s - a : e - a].copy_(rows_read if cols is None else rows_read[(slice(None), *cols)])
             done += (e - s) * entry.row_bytes
         return done
@@ -268,6 +282,7 @@ class SafetensorsSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._scratch = threading.local()
 
     def __del__(self) -> None:
         try:
