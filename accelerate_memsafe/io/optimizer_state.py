@@ -482,14 +482,17 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
         rank: This process's rank (bars are shown on rank 0 only).
 
     Returns:
-        ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors", "load_state_dict_calls"}``; the last is 1
+        ``{"bytes_read", "in_place_bytes", "new_bytes", "tensors", "load_state_dict_calls", "dcp_loads",
+        "dcp_metadata_reads"}`` (the last two: the ``dcp.load`` calls of a DCP checkpoint and how many times its
+        ``.metadata`` was read for them, once); ``load_state_dict_calls`` is 1
         when the optimizer's own ``load_state_dict`` was called (:func:`custom_load_reasons`).
 
     Example:
         >>> # execute_optimizer_load(plan_optimizer_load(opt, source))
     """
     optimizer = plan.optimizer
-    figures = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": len(plan.items), "load_state_dict_calls": 0}
+    figures = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": len(plan.items), "load_state_dict_calls": 0,
+               "dcp_loads": 0, "dcp_metadata_reads": 0}
     targets: list[torch.Tensor] = []
     for item in plan.items:
         t = item.existing if item.existing is not None else _new_tensor(item, plan.pin)
@@ -516,7 +519,7 @@ def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, r
         ids_by_param = {id(p): pid for g, sg in zip(optimizer.param_groups, plan.saved_groups)
                         for pid, p in zip(sg["params"], g["params"])}
     else:
-        _dcp_read(plan, targets)
+        figures["dcp_loads"], figures["dcp_metadata_reads"] = _dcp_read(plan, targets)
         figures["bytes_read"] = sum(_local(t).numel() * _local(t).element_size() for t in targets)
         saved_state, ids_by_param = {}, {}
     state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
@@ -585,7 +588,8 @@ def _set_nested(root: Any, path: tuple, value: Any) -> None:
     root[path[-1]] = value
 
 
-def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
+def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> tuple[int, int]:
+    """Reads the DCP optimizer state into ``targets`` in batches; returns (``dcp.load`` calls, metadata reads)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -617,7 +621,20 @@ def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
     small = [k for k, i in enumerate(plan.items) if 2 * global_bytes(i) <= largest]
     batches = [small] + [[k] for k, i in enumerate(plan.items) if 2 * global_bytes(i) > largest]
     groups = [{**g, "params": None} for g in plan.saved_groups]
-    reader_dir = str(plan.source)
+
+    class _Reader(dcp.FileSystemReader):
+        """Reads the checkpoint's ``.metadata`` once for all the batches (each ``dcp.load`` asks for it again)."""
+
+        _metadata = None
+        reads = 0
+
+        def read_metadata(self, *args, **kwargs):
+            if self._metadata is None:
+                self._metadata = super().read_metadata(*args, **kwargs)
+                self.reads += 1
+            return self._metadata
+
+    reader = _Reader(str(plan.source))
     for b, batch in enumerate(batches):
         state: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         for k in batch:
@@ -626,7 +643,8 @@ def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
         if b == 0:
             body["param_groups"] = groups
         template = {"optimizer": body}
-        dcp.load(template, storage_reader=dcp.FileSystemReader(reader_dir), planner=_WeightsOnlyLoadPlanner())
+        # every rank reads only its own chunks, planned locally from the same metadata: no collective per batch
+        dcp.load(template, storage_reader=reader, planner=_WeightsOnlyLoadPlanner(), no_dist=True)
         for k in batch:  # DCP may replace a non-DTensor template (e.g. `step`) instead of filling it
             item = plan.items[k]
             got = template["optimizer"]["state"][plan.names[id(item.param)]][item.key]
@@ -635,3 +653,4 @@ def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> None:
         if b == 0:
             plan.saved_groups = [dict(g) for g in template["optimizer"]["param_groups"]]
         del template, state, body
+    return len(batches), reader.reads

@@ -63,7 +63,8 @@ class OptimizerCpuReloadStage(Stage):
 
     def after(self, ctx: HookContext) -> StageOutcome:
         plans = ctx.scratch.pop("optimizer_plans")
-        totals = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": 0, "load_state_dict_calls": 0}
+        totals = {"bytes_read": 0, "in_place_bytes": 0, "new_bytes": 0, "tensors": 0, "load_state_dict_calls": 0,
+                  "dcp_loads": 0, "dcp_metadata_reads": 0}
         custom = {}
         for i, plan in enumerate(plans):
             optimizer = plan.optimizer

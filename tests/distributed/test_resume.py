@@ -33,6 +33,8 @@ def _check(ref, res, *, sdt, offload, pre_step):
         assert record["status"] == "ran", record
         d = record["details"]
         assert d["formats"] == (["dcp"] if sdt == "SHARDED_STATE_DICT" else ["torch_file"])
+        if sdt == "SHARDED_STATE_DICT":  # several DCP reads (largest tensors one at a time), one metadata read
+            assert d["dcp_loads"] >= 2 and d["dcp_metadata_reads"] == 1, d
         slack = d["largest_state_tensor_bytes"] + 0.05 * d["state_bytes"]
         if pre_step:  # the existing state is alive throughout: only the slack may be allocated
             assert res[rank]["in_place"], "FSDP2 state must be read into the existing tensors"
