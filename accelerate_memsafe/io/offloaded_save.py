@@ -39,6 +39,7 @@ from . import atomic
 from .mapped_pages import FileExtent
 from .offload_reader import OffloadedTensorReader
 from .safetensors_layout import SafetensorsLayout, header_shape, safetensors_dtype
+from .safetensors_source import read_raw_header
 from .shard_plan import ConversionGroup, ShardPlan, TensorSpec, plan_offloaded_save, saveable_state_dict
 from .shard_writer import IO_MODES, RELEASE_MODES, ShardWriter, TensorWrite, WriterStats
 
@@ -87,21 +88,7 @@ def read_header(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
     Raises:
         CheckpointError: If the file is too short or its header is not valid JSON.
     """
-    path = Path(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(f"{path} is not a safetensors file: {len(raw)} bytes.")
-        n = int.from_bytes(raw, "little")
-        size = path.stat().st_size
-        if n > size - 8:
-            raise CheckpointError(f"{path} is truncated: its header says {n} bytes, the file has {size}.")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise CheckpointError(f"{path} has a corrupt safetensors header ({exc}).") from None
-    header.pop("__metadata__", None)
-    return header
+    return read_raw_header(path)[0]
 
 
 def verify_written(directory: str | os.PathLike, plan: ShardPlan) -> dict[str, int]:
@@ -130,7 +117,7 @@ def verify_written(directory: str | os.PathLike, plan: ShardPlan) -> dict[str, i
         if not path.exists():
             problems.append(f"{shard.filename}: missing")
             continue
-        header = read_header(path)
+        header, data_start = read_raw_header(path)
         sizes[shard.filename] = path.stat().st_size
         planned = {o.name: o for o in shard.outputs}
         for name in sorted(set(header) - set(planned)):
@@ -146,11 +133,9 @@ def verify_written(directory: str | os.PathLike, plan: ShardPlan) -> dict[str, i
             if want != got:
                 problems.append(f"{shard.filename}: `{name}` is {got[0]}{got[1]}, planned {want[0]}{want[1]}")
             end = max(end, int(entry.get("data_offsets", [0, 0])[1]))
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-        if 8 + header_len + end != sizes[shard.filename]:
+        if data_start + end != sizes[shard.filename]:
             problems.append(
-                f"{shard.filename}: {sizes[shard.filename]} bytes on disk, the header describes {8 + header_len + end}"
+                f"{shard.filename}: {sizes[shard.filename]} bytes on disk, the header describes {data_start + end}"
             )
     index_path = directory / INDEX_NAME
     if index_path.exists():

@@ -16,6 +16,7 @@ import struct
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -57,21 +58,44 @@ class TensorEntry:
         return self.nbytes // self.shape[0] if self.shape[0] else 0
 
 
-def _read_header(file: str) -> dict[str, TensorEntry]:
+_FIX = "Re-save the checkpoint or restore the file."
+
+
+def read_raw_header(file: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header without ``__metadata__`` (``name -> {dtype, shape, data_offsets}``) and
+    the offset its data starts at; reads only the header bytes. The one header reader of the package.
+
+    Raises:
+        CheckpointError: If the file cannot be read, is too short, its header size is implausible or beyond
+            the file, or the header is not valid JSON (each naming the file).
+    """
     try:
         with open(file, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
-                raise CheckpointError(f"{file} is not a safetensors file: it is shorter than 8 bytes.")
+                raise CheckpointError(f"safetensors file {file} is truncated: shorter than its 8-byte header length. {_FIX}")
             (n,) = struct.unpack("<Q", raw)
             if n > 100 * 2**20:
-                raise CheckpointError(f"{file} is not a safetensors file: header size {n} is implausible.")
+                raise CheckpointError(f"safetensors file {file} is corrupt: header size {n} is implausible. {_FIX}")
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                raise CheckpointError(
+                    f"safetensors file {file} is truncated or corrupt: its header claims {n} bytes but the file holds "
+                    f"{size} bytes in all. {_FIX}"
+                )
             header = json.loads(f.read(n))
     except OSError as exc:
         raise CheckpointError(f"cannot read safetensors file {file}: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{file} has a corrupt safetensors header: {exc}") from exc
-    base = 8 + n
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"safetensors file {file} has a corrupt header ({exc}). {_FIX}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"safetensors file {file} has a corrupt header (not a JSON object). {_FIX}")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _read_header(file: str) -> dict[str, TensorEntry]:
+    header, base = read_raw_header(file)
     size = os.path.getsize(file)
     out = {}
     for name, info in header.items():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from .safetensors_source import read_raw_header
 
 #: safetensors dtype name -> bytes per element.
 DTYPE_BYTES: dict[str, int] = {
@@ -120,25 +120,8 @@ def check_safetensors_file(path: str | os.PathLike) -> dict[str, TensorInfo]:
     if not path.is_file():
         raise CheckpointError(f"safetensors file {path} does not exist.")
     size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointError(
-                f"safetensors file {path} is truncated: {size} bytes, not even the 8-byte header length. "
-                "Re-save the checkpoint or restore the file."
-            )
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise CheckpointError(
-                f"safetensors file {path} is truncated or corrupt: its header claims {n} bytes but the file holds "
-                f"{size} bytes in all. Re-save the checkpoint or restore the file."
-            )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"safetensors file {path} has a corrupt header ({exc}).") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"safetensors file {path} has a corrupt header (not a JSON object).")
+    header, base = read_raw_header(path)
+    n = base - 8
     data = size - 8 - n
     out: dict[str, TensorInfo] = {}
     covered = 0
