@@ -58,11 +58,8 @@ class Rank0DistributeStage(Stage):
     def run(self, ctx: HookContext) -> StageOutcome:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        from ..memory.procfs import malloc_trim
-
-        # the earlier stages' temporaries (pagemap reads, the layout exchange) were freed into glibc's heap:
-        # hand them back before the shards are allocated, so the heap they leave behind is not added to the peak
-        malloc_trim()
+        # the earlier stages' temporaries were handed back to the kernel (glibc's heap trimmed) by this stage's
+        # memory probe, just before this call: the shards are not allocated on top of freed heap
         offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
         device = torch.device("cpu") if offload else ctx.device
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
