@@ -16,8 +16,9 @@ as a cross-check). Figures are over that baseline. Paths:
   ext4, where an fsync stalls the writes that follow it), then ``fsync`` of the folder: the same bytes, the
   same files, the same durability as the plugin (which also fsyncs its marker and swaps a temporary folder
   into place).
-- ``plugin``: ``save_offloaded`` with its defaults (``io_mode="direct"``). Optional (``--paths``):
-  ``plugin_buffered`` (``io_mode="buffered"``: through the page cache, ``copy_file_range`` from the files),
+- ``plugin``: ``save_offloaded`` with its defaults (``io_mode="buffered"``: through the page cache,
+  ``copy_file_range`` from the files). Optional (``--paths``): ``plugin_direct`` (``io_mode="direct"``: whole
+  blocks with ``O_DIRECT``, the previous default),
   ``plugin_memory`` (``io_mode="memory"``: every tensor written from memory, mapped pages dropped after each
   file) and ``plugin_pageout`` (``io_mode="memory", release_pages="pageout"``: the previous version's writes
   and synchronous paging out).
@@ -48,7 +49,7 @@ from pathlib import Path
 
 PATHS = ("save_file", "save_file_sync_end", "plugin", "transformers", "accelerate")
 LIMITS = ("save_file", "save_file_sync_end")
-VARIANTS = {"plugin": {}, "plugin_buffered": {"io_mode": "buffered"}, "plugin_memory": {"io_mode": "memory"},
+VARIANTS = {"plugin": {}, "plugin_direct": {"io_mode": "direct"}, "plugin_memory": {"io_mode": "memory"},
             "plugin_pageout": {"io_mode": "memory", "release_pages": "pageout"}}
 MIB = 2**20
 

@@ -7,21 +7,24 @@ tensors (cpu-resident ones as they are, offloaded ones through the offload hooks
 weight conversions, checks the result against the plan, and notes for each saved tensor whether its bytes
 already lie in a file (a memory-mapped checkpoint, a disk offload file; :meth:`OffloadedTensorReader.extent`).
 Writer threads (:mod:`.shard_writer`) put each group at its offsets while the next group is prepared —
-bytes that lie in a file are read from that file, never faulted in through the mapping; by default whole
-blocks go to the disk with ``O_DIRECT``, bypassing the page cache — and a syncer thread fsyncs each
+bytes that lie in a file are copied from that file by the kernel, never faulted in through the mapping — and
+a syncer thread fsyncs each
 finished file while the next one is written. Afterwards the index (with the saved names), the
 config and the generation config are written and every file's safetensors header is checked against the
 plan without reading data. Each file is byte-identical to ``safetensors.torch.save_file`` of its tensors
 with transformers' ``{"format": "pt"}`` metadata.
 
-Memory: the bytes of the groups read and not yet written never exceed ``max(max_shard_size, largest
-group)`` (inputs and outputs of a converted group counted), so private memory stays below
-``2 × max(max_shard_size, largest group)`` over the baseline, plus one aligned buffer per writer thread;
-bytes read from their files never map into this process.
+Memory: a group's planned inputs and outputs are reserved before it is read; once read, only the private
+memory it really holds (the tensors the revert made, inputs loaded into memory: not the model's own tensors,
+not pages of a mapped file) stays reserved until it is written. The reserved bytes never exceed
+``max(min(max_shard_size, INFLIGHT_BYTES), largest group)`` (a larger group goes alone), so private memory
+stays below ``2 × max(max_shard_size, largest group)`` over the baseline, plus one aligned buffer per writer
+thread; bytes read from their files never map into this process.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import shutil
@@ -36,14 +39,18 @@ from .. import _compat
 from ..errors import CheckpointError, ConfigError
 from ..sizes import parse_size
 from . import atomic
-from .mapped_pages import FileExtent
+from .mapped_pages import FileExtent, file_backed_ranges
 from .offload_reader import OffloadedTensorReader
 from .safetensors_layout import SafetensorsLayout, header_shape, safetensors_dtype
 from .safetensors_source import read_raw_header
 from .shard_plan import ConversionGroup, ShardPlan, TensorSpec, plan_offloaded_save, saveable_state_dict
-from .shard_writer import IO_MODES, RELEASE_MODES, ShardWriter, TensorWrite, WriterStats
+from .shard_writer import DEFAULT_IO_MODE, IO_MODES, RELEASE_MODES, ShardWriter, TensorWrite, WriterStats
 
 INDEX_NAME = "model.safetensors.index.json"
+#: Most bytes read ahead of the writers (with shards smaller than this, one shard): enough to keep them busy
+#: while the next group is read and reverted, and a bound on private memory that does not grow with
+#: ``max_shard_size`` (transformers' default is 5 GB).
+INFLIGHT_BYTES = 256 * 2**20
 #: The ``__metadata__`` transformers' ``save_pretrained`` writes into every shard.
 METADATA = {"format": "pt"}
 
@@ -194,18 +201,54 @@ def _view_extent(t: torch.Tensor, sources: list[tuple[torch.Tensor, FileExtent |
     return None
 
 
+class _PrivateBytes:
+    """The private memory a prepared group holds until it is written: the distinct storages of the tensors it
+    read or made that are neither the model's own (``resident``) nor pages of a memory-mapped file (a disk
+    offload file, the checkpoint: clean file pages, not private memory), plus every tensor the writers may
+    still have to load. This, not the group's planned inputs and outputs, is what stays reserved while the
+    group is written (:meth:`ShardWriter.put`'s ``held``)."""
+
+    def __init__(self) -> None:
+        self._ranges: list[tuple[int, int]] | None = None
+
+    def _mapped(self, ptr: int) -> bool:
+        for fresh in (self._ranges is None, True):  # a new offload file may have been mapped since
+            if fresh:
+                self._ranges = file_backed_ranges()
+            i = bisect.bisect_right(self._ranges, (ptr, float("inf"))) - 1
+            if i >= 0 and self._ranges[i][0] <= ptr < self._ranges[i][1]:
+                return True
+            if fresh:
+                return False
+        return False
+
+    def __call__(self, writes: list[TensorWrite], loaded: list[torch.Tensor], resident: list[torch.Tensor]) -> int:
+        own = {t.untyped_storage().data_ptr() for t in resident}
+        inputs = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in loaded}
+        total = sum(w.nbytes for w in writes if w.tensor is None)  # loaded by a writer if its file cannot be read
+        made = {}  # a tensor the revert made is private; an input may be a view of a mapped file
+        for w in writes:
+            if w.tensor is not None:
+                storage = w.tensor.untyped_storage()
+                (inputs if storage.data_ptr() in inputs else made)[storage.data_ptr()] = storage
+        total += sum(st.nbytes() for key, st in made.items() if key and key not in own)
+        total += sum(st.nbytes() for key, st in inputs.items() if key and key not in own and not self._mapped(key))
+        return total
+
+
 def _read_checked(reader: OffloadedTensorReader, spec: TensorSpec, source: str, filename: str) -> torch.Tensor:
     return _check_output(reader.read(source), spec, [source], filename)
 
 
 def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: OffloadedTensorReader,
                    layout: SafetensorsLayout, filename: str, *, save_original_format: bool,
-                   from_files: bool) -> tuple[list[TensorWrite], list[torch.Tensor]]:
+                   from_files: bool, private: _PrivateBytes) -> tuple[list[TensorWrite], list[torch.Tensor], int]:
     """Reads one conversion group, reverts it, checks it against the plan, and says where each saved tensor
     goes and where its bytes can be copied from.
 
     Returns:
-        The writes, and the tensors read that the model holds itself (whose pages are released later).
+        The writes, the tensors read that the model holds itself (whose pages are released later), and the
+        private memory the group holds until written (:class:`_PrivateBytes`).
     """
     sources = [s.name for s in group.sources]
     if not group.converted:
@@ -217,9 +260,11 @@ def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: Offlo
         if extent is not None and extent.nbytes == end - begin:
             tensor = reader.read(name) if resident else None  # offloaded: loaded only if its file cannot be read
             load = partial(_read_checked, reader, spec, name, filename)
-            return [TensorWrite(begin, end - begin, tensor, extent, load)], [tensor] if resident else []
-        tensor = _check_output(reader.read(name), spec, sources, filename)
-        return [TensorWrite(begin, end - begin, tensor)], [tensor] if resident else []
+            writes, own = [TensorWrite(begin, end - begin, tensor, extent, load)], [tensor] if resident else []
+        else:
+            tensor = _check_output(reader.read(name), spec, sources, filename)
+            writes, own = [TensorWrite(begin, end - begin, tensor)], [tensor] if resident else []
+        return writes, own, private(writes, [], own)
     loaded = {n: reader.read(n) for n in sources}
     extents = [(loaded[n], reader.extent(n) if from_files else None) for n in sources]
     resident = [t for n, t in loaded.items() if reader.is_resident(n)]
@@ -234,13 +279,13 @@ def _prepare_group(model: torch.nn.Module, group: ConversionGroup, reader: Offlo
         t = _check_output(out[spec.name], spec, sources, filename)
         begin, end = layout.ranges[spec.name]
         writes.append(TensorWrite(begin, end - begin, t, _view_extent(t, extents)))
-    return writes, resident
+    return writes, resident, private(writes, list(loaded.values()), resident)
 
 
 def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: ShardPlan, *,
                     save_original_format: bool = True, progress: bool = True,
                     reader: OffloadedTensorReader | None = None, release_pages: str = "unmap",
-                    io_mode: str = "direct") -> OffloadedSaveResult:
+                    io_mode: str = DEFAULT_IO_MODE) -> OffloadedSaveResult:
     """Writes the planned shards, the index and the configs into an existing, empty ``directory`` (no
     temporary directory: the caller owns atomicity, e.g. the ``atomic_checkpoint`` stage). Every shard is
     fsynced before this returns.
@@ -255,7 +300,7 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
         release_pages: What to do, after each shard, with the pages of the memory-mapped cpu weights it read
             (see :class:`~accelerate_memsafe.io.shard_writer.ShardWriter`): ``"unmap"`` (default; drops the
             clean ones from RSS, no I/O), ``"pageout"`` (reclaims them, synchronously), ``"off"``.
-        io_mode: ``"direct"`` (default), ``"buffered"`` or ``"memory"``: how tensors reach the files (see
+        io_mode: ``"buffered"`` (default), ``"direct"`` or ``"memory"``: how tensors reach the files (see
             :mod:`~accelerate_memsafe.io.shard_writer`).
 
     Returns:
@@ -284,16 +329,18 @@ def write_offloaded(model: torch.nn.Module, directory: str | os.PathLike, plan: 
     result = OffloadedSaveResult(str(directory), plan)
     bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, desc="Writing offloaded shards", disable=not progress)
     try:
-        with ShardWriter(plan.max_shard_size, io_mode=io_mode, release_pages=release_pages,
+        with ShardWriter(min(plan.max_shard_size, INFLIGHT_BYTES), io_mode=io_mode, release_pages=release_pages,
                          on_written=bar.update) as writer:
+            private = _PrivateBytes()
             for shard, layout in zip(plan.shards, layouts):
                 writer.open(directory / shard.filename, layout)
                 for group in shard.groups:
                     writer.reserve(group.memory_bytes)
-                    writes, resident = _prepare_group(model, group, reader, layout, shard.filename,
-                                                      save_original_format=save_original_format,
-                                                      from_files=io_mode != "memory")
-                    writer.put(writes, reserved=group.memory_bytes, resident=resident, nbytes=group.nbytes)
+                    writes, resident, held = _prepare_group(model, group, reader, layout, shard.filename,
+                                                            save_original_format=save_original_format,
+                                                            from_files=io_mode != "memory", private=private)
+                    writer.put(writes, reserved=group.memory_bytes, resident=resident, nbytes=group.nbytes,
+                               held=held)
                     del writes, resident
                 writer.close()
             result.writer = writer.finish()
@@ -321,7 +368,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
                    max_shard_size: int | str = "5GB", save_original_format: bool = True,
-                   progress: bool = True, release_pages: str = "unmap", io_mode: str = "direct") -> OffloadedSaveResult:
+                   progress: bool = True, release_pages: str = "unmap", io_mode: str = DEFAULT_IO_MODE) -> OffloadedSaveResult:
     """Saves a model dispatched on cpu and disk shard by shard, with bounded memory.
 
     The shards are planned from names, shapes and dtypes before anything is loaded, so that every group of
@@ -346,13 +393,14 @@ def save_offloaded(model: torch.nn.Module, save_directory: str | os.PathLike, *,
             that still hold their file's bytes from this process's RSS (``MADV_DONTNEED``: no I/O),
             ``"pageout"`` has the kernel reclaim them (``MADV_PAGEOUT``, synchronous: costs wall time and a
             re-read on the next use), ``"off"`` leaves them (see :mod:`accelerate_memsafe.io.mapped_pages`).
-        io_mode: How tensors reach the files. ``"direct"`` (default): the whole 4 KiB blocks of each tensor are
-            written with ``O_DIRECT`` (no copy into the page cache) from a small aligned buffer, filled from
-            the file the bytes already lie in (the memory-mapped checkpoint, the disk offload) or from memory;
-            the edges and file systems without ``O_DIRECT`` go through the page cache. ``"buffered"``: through
-            the page cache, bytes that lie in a file copied by the kernel (``copy_file_range``). ``"memory"``:
-            every tensor written from memory, as ``safetensors.torch.save_file`` does. Every mode writes the
-            same bytes and fsyncs every file.
+        io_mode: How tensors reach the files. ``"buffered"`` (default): through the page cache, bytes that
+            lie in a file (the memory-mapped checkpoint, the disk offload) copied by the kernel
+            (``copy_file_range``) and handed to the disk at once (``sync_file_range``). ``"direct"``: the
+            whole 4 KiB blocks of each tensor written with ``O_DIRECT`` (no copy into the page cache) from a
+            small aligned buffer filled from the file the bytes lie in or from memory; the edges and file
+            systems without ``O_DIRECT`` go through the page cache. ``"memory"``: every tensor written from
+            memory, as ``safetensors.torch.save_file`` does. Every mode writes the same bytes and fsyncs
+            every file.
 
     Returns:
         What was written (``result.details()`` for a report).

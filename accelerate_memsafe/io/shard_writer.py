@@ -5,14 +5,15 @@ header first) and hands the tensors over one conversion group at a time (:class:
 go, and their bytes as a tensor and/or as a :class:`~.mapped_pages.FileExtent`). Writer threads put every
 piece at its offset as it arrives, in any order:
 
-- ``io_mode="direct"`` (default): the part of a piece that covers whole 4 KiB blocks of the file is written
-  with ``O_DIRECT`` from an aligned buffer, filled by ``pread`` from the file the bytes already lie in (a
-  memory-mapped checkpoint, a disk offload file) or copied from memory. The bytes go to the disk without a
-  copy into the page cache, and a mapped weight's pages are never faulted into this process's RSS. The
-  partial blocks at the edges go through the page cache (they share a block with a neighbour). Where the
-  file system refuses ``O_DIRECT``, the piece is written as in ``"buffered"``.
-- ``io_mode="buffered"``: through the page cache; bytes that lie in a file are copied by the kernel
-  (``copy_file_range``), the others written from memory (``pwrite``).
+- ``io_mode="buffered"`` (default): through the page cache; bytes that lie in a file (a memory-mapped
+  checkpoint, a disk offload file) are copied by the kernel (``copy_file_range``: never faulted into this
+  process's RSS), the others written from memory (``pwrite``).
+- ``io_mode="direct"``: the part of a piece that covers whole 4 KiB blocks of the file is written with
+  ``O_DIRECT`` from an aligned buffer, filled by ``pread`` from the file the bytes already lie in or copied
+  from memory. The bytes go to the disk without a copy into the page cache (slower on the disks measured:
+  every block is copied by this process, and each write waits for the device). The partial blocks at the
+  edges go through the page cache (they share a block with a neighbour). Where the file system refuses
+  ``O_DIRECT``, the piece is written as in ``"buffered"``.
 - ``io_mode="memory"``: every tensor written from memory through the page cache (what ``save_file`` does).
 
 Bytes written through the page cache are handed to the disk right away (``sync_file_range``). When a file is
@@ -61,6 +62,8 @@ CHUNK_BYTES = 32 * 2**20
 _SYNC_FILE_RANGE_WRITE = 2
 #: How tensors reach the files (see the module docstring).
 IO_MODES = ("direct", "buffered", "memory")
+#: The default ``io_mode``: the fastest on the disks measured (benchmarks/offloaded_save.py, docs/benchmarks.md).
+DEFAULT_IO_MODE = "buffered"
 #: ``O_DIRECT`` alignment of file offsets, lengths and buffers (the file system block; devices need 512 or 4096).
 DIRECT_ALIGN = 4096
 #: A piece's block-aligned part shorter than this goes through the page cache (one syscall beats three).
@@ -184,7 +187,7 @@ class ShardWriter:
 
     Args:
         budget: Most bytes the caller may have reserved at once (see :meth:`reserve`).
-        io_mode: ``"direct"``, ``"buffered"`` or ``"memory"`` (see the module docstring).
+        io_mode: ``"buffered"`` (default), ``"direct"`` or ``"memory"`` (see the module docstring).
         release_pages: After each file, what to do with the pages of the memory-mapped weights the model
             holds (passed as ``resident`` to :meth:`put`): ``"unmap"`` drops the pages that still hold their
             file's bytes from this process (``MADV_DONTNEED``: no I/O, they stay in the page cache),
@@ -199,7 +202,7 @@ class ShardWriter:
         >>> #     stats = w.finish()
     """
 
-    def __init__(self, budget: int, *, io_mode: str = "direct", release_pages: str = "unmap",
+    def __init__(self, budget: int, *, io_mode: str = DEFAULT_IO_MODE, release_pages: str = "unmap",
                  threads: int | None = None, on_written: Callable[[int], None] | None = None) -> None:
         if release_pages not in RELEASE_MODES:
             raise ValueError(f"release_pages={release_pages!r}; choose one of {RELEASE_MODES}.")
@@ -280,21 +283,30 @@ class ShardWriter:
         self._files.append(self._file)
 
     def put(self, writes: Sequence[TensorWrite], *, reserved: int, resident: Sequence[torch.Tensor] = (),
-            nbytes: int = 0) -> None:
-        """Hands over one group's tensors; ``reserved`` bytes are given back once they are all written.
+            nbytes: int = 0, held: int | None = None) -> None:
+        """Hands over one group's tensors; the bytes they hold are given back once they are all written.
 
         Args:
             writes: Where each tensor goes in the open file.
-            reserved: What :meth:`reserve` took for this group.
+            reserved: What :meth:`reserve` took for this group (its planned inputs and outputs).
             resident: Tensors the model holds that this group read; if a piece of the group is written from
                 memory, their pages are released once the file is written (kernel copies fault none in).
             nbytes: Bytes of the group, for ``on_written``.
+            held: The private memory the group really holds until it is written, once read (its new tensors:
+                not the model's own, not views of a mapped file); the rest of ``reserved`` goes back to the
+                budget now, so that the caller can read the next group while this one is written.
+                ``None``: all of ``reserved``.
         """
         pieces = [(w, start) for w in writes for start in range(0, max(w.nbytes, 1), CHUNK_BYTES) if w.nbytes]
         file = self._file
-        group = _Group(file, len(pieces), int(reserved), int(nbytes), list(resident))
+        keep = int(reserved) if held is None else int(held)
+        group = _Group(file, len(pieces), keep, int(nbytes), list(resident))
         with self._cond:
             file.pending += 1
+            if keep != reserved:
+                self._reserved += keep - int(reserved)
+                self.stats.peak_reserved_bytes = max(self.stats.peak_reserved_bytes, self._reserved)
+                self._cond.notify_all()
         if not pieces:
             self._done(group)
         for w, start in pieces:

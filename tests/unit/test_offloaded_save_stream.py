@@ -20,13 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from accelerate_memsafe import _compat, save_offloaded
 from accelerate_memsafe.errors import ConfigError
 from accelerate_memsafe.io import atomic, offloaded_save, shard_writer
+from accelerate_memsafe.io.mapped_pages import file_backed_ranges
 from accelerate_memsafe.io.offload_reader import OffloadedTensorReader, cpu_disk_device_map
 from accelerate_memsafe.io.safetensors_layout import DTYPE_NAMES, SafetensorsLayout
 from accelerate_memsafe.io.shard_plan import saveable_state_dict
+from accelerate_memsafe.io.shard_writer import ShardWriter, TensorWrite
 from tests.unit.test_offloaded_save import build_model, load_offloaded
 
 
@@ -130,6 +133,28 @@ def test_files_are_byte_identical_to_save_file(offloaded, tmp_path, monkeypatch,
     assert (stats.released_bytes > 0) == (io_mode == "memory" and release_pages != "off")
 
 
+def test_the_default_copies_file_bytes_in_the_kernel_through_the_page_cache(offloaded, tmp_path, monkeypatch):
+    """The default ``io_mode`` is ``"buffered"`` (the fastest measured, docs/benchmarks.md): no ``O_DIRECT``
+    open, and the bytes of the disk offload and the mapped checkpoint copied by ``copy_file_range``."""
+    _, model, limit = offloaded
+    opened_direct = []
+    real_open = os.open
+
+    def watch(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            opened_direct.append(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", watch)
+    result = save_offloaded(model, tmp_path / "out", max_shard_size=limit, progress=False)
+    monkeypatch.undo()
+    assert opened_direct == [] and result.writer.direct_bytes == 0
+    assert 0 < result.writer.copied_bytes <= result.plan.total_bytes
+    assert result.writer.copied_bytes + result.writer.written_bytes == result.plan.total_bytes
+    _save_file_reference(model, result.plan, tmp_path / "ref")
+    assert _same_files(tmp_path / "out", tmp_path / "ref", result.plan) == []
+
+
 def test_refused_kernel_copies_and_direct_io_fall_back_to_the_page_cache(offloaded, tmp_path, monkeypatch):
     """``copy_file_range`` across file systems (EXDEV) and ``O_DIRECT`` on one that refuses it (EINVAL, e.g.
     tmpfs) each fail once; the save goes on through the page cache from memory, with the same bytes."""
@@ -149,7 +174,7 @@ def test_refused_kernel_copies_and_direct_io_fall_back_to_the_page_cache(offload
 
     monkeypatch.setattr(os, "copy_file_range", cross_device)
     monkeypatch.setattr(os, "open", no_direct)
-    result = save_offloaded(model, tmp_path / "out", max_shard_size=limit, progress=False)
+    result = save_offloaded(model, tmp_path / "out", max_shard_size=limit, progress=False, io_mode="direct")
     assert sorted(calls) == ["O_DIRECT", "copy_file_range"]  # each tried once in the save
     assert result.writer.copied_bytes == result.writer.direct_bytes == 0
     assert result.writer.written_bytes == result.plan.total_bytes
@@ -260,8 +285,10 @@ def test_offload_file_entry_names_where_accelerate_reads_from(tmp_path):
 # -- overlap, budget, failures -------------------------------------------------------------------------------
 def test_the_caller_runs_ahead_of_the_writer_within_the_budget(offloaded, tmp_path, monkeypatch):
     """Counted independently of the writer's own bookkeeping: a group is pending from the moment the caller
-    starts reading it until its last byte is written. With a slow disk, groups must be pending together
-    (reading overlaps writing), and never more bytes than ``max(max_shard_size, largest group)``."""
+    starts reading it (its planned inputs and outputs) until its last byte is written, and once read it holds
+    the private memory its writes point at (storages the model does not hold and no file maps, plus tensors
+    a writer may still load). With a slow disk, groups must be pending together (reading overlaps writing),
+    and never more bytes than ``max(max_shard_size, largest group)``."""
     import time
 
     _, model, limit = offloaded
@@ -272,19 +299,31 @@ def test_the_caller_runs_ahead_of_the_writer_within_the_budget(offloaded, tmp_pa
     todo: dict[int, int] = {}  # id(TensorWrite) -> bytes not written yet
     peaks = {"bytes": 0, "groups": 0}
     real_prepare, real_write = offloaded_save._prepare_group, shard_writer.ShardWriter._write
+    own = {t.untyped_storage().data_ptr() for t in model.state_dict().values() if t.device.type == "cpu"}
+
+    def held(writes) -> int:
+        mapped = file_backed_ranges()
+        storages = {w.tensor.untyped_storage().data_ptr(): w.tensor.untyped_storage().nbytes()
+                    for w in writes if w.tensor is not None}
+        return sum(w.nbytes for w in writes if w.tensor is None) + sum(
+            n for ptr, n in storages.items() if ptr not in own and not any(lo <= ptr < hi for lo, hi in mapped))
+
+    def count(group, nbytes):
+        pending[group] = nbytes
+        peaks["bytes"] = max(peaks["bytes"], sum(pending.values()))
+        peaks["groups"] = max(peaks["groups"], len(pending))
 
     def prepare(model, group, *args, **kwargs):
         with lock:
-            pending[id(group)] = group.memory_bytes
-            peaks["bytes"] = max(peaks["bytes"], sum(pending.values()))
-            peaks["groups"] = max(peaks["groups"], len(pending))
-        writes, resident = real_prepare(model, group, *args, **kwargs)
+            count(id(group), group.memory_bytes)
+        writes, resident, private = real_prepare(model, group, *args, **kwargs)
         with lock:
+            count(id(group), held(writes))
             left[id(group)] = sum(1 for w in writes if w.nbytes)
             by_write.update({id(w): id(group) for w in writes if w.nbytes})
             if not left[id(group)]:
                 del pending[id(group)], left[id(group)]
-        return writes, resident
+        return writes, resident, private
 
     def write(self, fd, w, start, nbytes):
         time.sleep(0.002)  # a slow disk
@@ -306,6 +345,43 @@ def test_the_caller_runs_ahead_of_the_writer_within_the_budget(offloaded, tmp_pa
     assert peaks["groups"] >= 2, "reading never overlapped writing"
     assert peaks["bytes"] <= bound
     assert result.writer.peak_reserved_bytes <= bound and not pending
+
+
+def test_a_group_keeps_reserved_only_the_memory_it_holds(tmp_path):
+    """``put(held=...)`` gives the rest of the planned bytes back at once: with a budget of 100 bytes and a
+    first group that planned 100 but holds 10 (its outputs are views of the model's own tensors), the next
+    group of 90 is reserved while the first is still being written; without ``held`` it waits."""
+    layout = SafetensorsLayout.of([("a", (25,), torch.float32), ("b", (25,), torch.float32)])
+    a, b = torch.arange(25, dtype=torch.float32), torch.ones(25)
+    gate = threading.Event()
+
+    class Slow(ShardWriter):
+        def _write(self, file, w, start, nbytes):
+            gate.wait(10)
+            return super()._write(file, w, start, nbytes)
+
+    for held, waits in ((10, False), (None, True)):
+        gate.clear()
+        with Slow(100, io_mode="memory") as writer:
+            writer.open(tmp_path / f"x{held}.safetensors", layout)
+            writer.reserve(100)
+            writer.put([TensorWrite(*_range(layout, "a"), a)], reserved=100, held=held)
+            second = threading.Thread(target=writer.reserve, args=(90,))
+            second.start()
+            second.join(0.5)
+            assert second.is_alive() == waits
+            gate.set()
+            second.join(10)
+            writer.put([TensorWrite(*_range(layout, "b"), b)], reserved=90)
+            writer.close()
+            stats = writer.finish()
+        assert stats.peak_reserved_bytes == 100  # never over the budget, either way
+        assert load_file(tmp_path / f"x{held}.safetensors")["a"].equal(a)
+
+
+def _range(layout: SafetensorsLayout, name: str) -> tuple[int, int]:
+    begin, end = layout.ranges[name]
+    return begin, end - begin
 
 
 def _digest(folder: Path) -> dict[str, str]:
