@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..io.mapped_pages import CleanFilePages
+from ..io.mapped_pages import CleanFilePages, drop_pages
 from ..io.safetensors_source import SafetensorsSource
 
 #: Private bytes released between two ``malloc_trim`` calls on rank 0. A trim costs 15-35 us when there is little
@@ -76,6 +76,11 @@ class Rank0Source:
             >>> src.rows_view("w", 1, 2, torch.float32, None).numel(), src.rows_view("w", 1, 2, torch.float64, None)
             (8, None)
         """
+        if name in self.from_checkpoint:  # the file's bytes, through a mapping of it (dropped once sent)
+            entry = self.checkpoint.entries[name]
+            if entry.dtype != dtype or cols is not None:
+                return None
+            return self.checkpoint.map_rows(name, start, stop)
         t = self.tensors.get(name)
         if t is None or t.is_meta or t.dtype != dtype or cols is not None or t.dim() == 0 or not t.is_contiguous():
             return None
@@ -83,6 +88,15 @@ class Rank0Source:
             return None
         self._mapped.add(name)
         return t[start:stop].reshape(-1).view(torch.uint8)
+
+    def sent(self, views: list[torch.Tensor]) -> None:
+        """Drops from this process's RSS the pages of the checkpoint's mapping that ``views`` (from
+        :meth:`rows_view`, now sent) faulted in; views of the model's own tensors are left to :meth:`release`."""
+        if self.checkpoint is None:
+            return
+        dropped = sum(drop_pages(v) for v in views if self.checkpoint.is_mapped_here(v))
+        with self._lock:
+            self.released_bytes += dropped
 
     def release(self, name: str) -> None:
         """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel, and

@@ -256,6 +256,7 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
         def finish(sent: tuple) -> None:
             bucket, flat, slots, in_place, pending = sent
             coll.finish(pending)
+            source.sent(slots[1:])  # the checkpoint's pages mapped to send them (_as_is)
             if not in_place:
                 unpack_slot(bucket, slots[0], rank, locals_)
             for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
@@ -389,6 +390,7 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
         def finish(sent: tuple) -> None:
             bucket, flat, sends, pending = sent
             coll.finish(pending)
+            source.sent([t for _, t in sends])  # the checkpoint's pages it mapped to send them
             for name in bucket.last_of:  # after the send: a piece was sent from the tensor itself
                 if name in viewed:
                     source.release(name)

@@ -369,10 +369,22 @@ class CleanFilePages:
         if id(t) not in self._clean:
             return 0
         self._clean.discard(id(t))
-        c = libc()
-        page = mmap.PAGESIZE
-        begin = t.data_ptr()
-        lo, hi = (begin + page - 1) // page * page, (begin + t.numel() * t.element_size()) // page * page
-        if c is None or hi <= lo:
-            return 0
-        return hi - lo if c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0 else 0
+        return drop_pages(t)
+
+
+def drop_pages(t: torch.Tensor) -> int:
+    """``madvise(MADV_DONTNEED)`` of the whole pages inside ``t`` (neighbours keep theirs): they leave this
+    process's RSS, and the next access reads the file again. Only for a view of a file mapping that was never
+    written (on a private mapping DONTNEED reverts a write); returns the bytes dropped.
+
+    Example:
+        >>> drop_pages(torch.empty(0))
+        0
+    """
+    c = libc()
+    page = mmap.PAGESIZE
+    begin = t.data_ptr()
+    lo, hi = (begin + page - 1) // page * page, (begin + t.numel() * t.element_size()) // page * page
+    if c is None or hi <= lo:
+        return 0
+    return hi - lo if c.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED) == 0 else 0

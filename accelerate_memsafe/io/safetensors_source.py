@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import mmap
 import os
 import struct
 import threading
@@ -140,6 +141,8 @@ class SafetensorsSource:
                 self.entries[name] = entry
         self._fds: dict[str, int] = {}
         self._scratch = threading.local()  # one reused buffer per thread for the rows a cast reads
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}  # file -> its mapping (map_rows)
+        self._lock = threading.Lock()
 
     def _rows_buffer(self, entry: TensorEntry, rows: int) -> torch.Tensor:
         """A tensor for ``rows`` rows of ``entry`` in the file's dtype, in this thread's reused scratch buffer:
@@ -301,8 +304,44 @@ class SafetensorsSource:
                 out[r - a].copy_(target)
         return (b - a) * nbytes
 
+    def map_rows(self, name: str, start: int, stop: int) -> torch.Tensor | None:
+        """Rows ``[start, stop)`` of ``name`` as the bytes of a private, never written mapping of its file (a
+        flat ``uint8`` view, no copy): what a sender hands to the transport so that the kernel copies the page
+        cache's bytes once, into the socket, instead of a ``pread`` into a buffer first. The caller drops the
+        pages once they are sent (:func:`~accelerate_memsafe.io.mapped_pages.drop_pages`), so they do not
+        accumulate in this process's RSS. ``None`` for a 0-d tensor or an empty file.
+
+        Example:
+            >>> # SafetensorsSource("ckpt/").map_rows("lm_head.weight", 0, 8).numel()  # 8 rows' bytes
+        """
+        entry = self.entries[name]
+        if not entry.shape:
+            return None
+        with self._lock:
+            mapped = self._maps.get(entry.file)
+            if mapped is None:
+                if os.fstat(self._fd(entry.file)).st_size == 0:
+                    return None
+                mm = mmap.mmap(self._fd(entry.file), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mapped = self._maps[entry.file] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+        a = entry.offset + start * entry.row_bytes
+        return mapped[1][a : a + (stop - start) * entry.row_bytes]
+
+    def is_mapped_here(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view of one of this source's mappings (:meth:`map_rows`)."""
+        ptr = t.data_ptr()
+        return any(whole.data_ptr() <= ptr < whole.data_ptr() + whole.numel() for _, whole in self._maps.values())
+
     def close(self) -> None:
-        """Closes the open file descriptors."""
+        """Closes the open file descriptors and the mappings (a mapping a view still uses stays until that
+        view is gone)."""
+        maps, self._maps = self._maps, {}
+        for mm, whole in maps.values():
+            del whole
+            try:
+                mm.close()
+            except BufferError:  # a view is still alive: the mapping goes with it
+                pass
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -146,3 +146,35 @@ def test_cast_reads_reuse_one_buffer_per_thread(tmp_path, monkeypatch):
     # the buffer only grows (to the largest chunk), so few distinct allocations however many chunks
     assert len(set(seen)) <= len(tensors), len(set(seen))
     src.close()
+
+
+def test_rank0_sends_checkpoint_rows_from_a_mapping_and_drops_its_pages_once_sent(tmp_path):
+    """``load_source="rank0"`` from a lazily read checkpoint: rows whose dtype is the file's are handed to the
+    transport as views of a mapping of the file (the kernel copies the page cache once, into the socket, not
+    into a ``pread`` buffer first): the same bytes as a read; a cast is not a view. Once sent, the pages they
+    faulted in leave the process's RSS (``Rank0Source.sent``), views of the model's own tensors are left alone."""
+    from accelerate_memsafe.distributed.source import Rank0Source
+    from accelerate_memsafe.io.mapped_pages import file_mappings
+    from accelerate_memsafe.memory.procfs import read_proc_memory
+
+    w = torch.randn(512, 1024)  # 2 MiB: whole pages
+    save_file({"w": w, "b": torch.arange(10.0)}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsSource(tmp_path)
+    own = torch.ones(4096)
+    src = Rank0Source({"w": torch.empty(512, 1024, device="meta"), "o": own}, ckpt, {"w", "b"})
+    view = src.rows_view("w", 128, 512, torch.float32, None)
+    assert view is not None and view.dtype == torch.uint8
+    assert torch.equal(view.view(torch.float32).view(384, 1024), w[128:512])
+    assert src.rows_view("w", 0, 1, torch.bfloat16, None) is None  # a cast is read into a buffer
+    assert any(path.endswith("model.safetensors") for *_, path in file_mappings(".safetensors"))
+    before = read_proc_memory().rss
+    assert int(view.sum()) >= 0  # fault every page in, as the socket write does
+    faulted = read_proc_memory().rss - before
+    mine = src.rows_view("o", 0, 4096, torch.float32, None)
+    src.sent([view, mine])
+    assert src.released_bytes >= view.numel() - 2 * 4096  # the whole pages inside the rows
+    assert faulted > 0 and read_proc_memory().rss - before < faulted
+    assert torch.equal(view.view(torch.float32).view(384, 1024), w[128:512])  # still readable: re-read from the file
+    assert torch.equal(own, torch.ones(4096))
+    del view, mine
+    src.close()
