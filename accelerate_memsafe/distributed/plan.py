@@ -66,6 +66,9 @@ class _Sharded:
     shape: tuple[int, ...]
     boxes: list[Box] = field(default_factory=list)  # each rank's block
     cut: _Cut | None = None  # set by plan_buckets
+    wire: torch.dtype | None = None
+    """The narrower float dtype rank 0 sends it in, widened by each receiver (``None``: ``dtype``); rank 0's
+    choice, broadcast with the layout (:func:`~accelerate_memsafe.distributed.scatter.follow_rank0_layout`)."""
     _geometry: tuple[Any, ...] | None = field(default=None, repr=False)
 
     def _geo(self) -> tuple[Any, ...]:

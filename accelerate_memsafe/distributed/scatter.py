@@ -34,7 +34,7 @@ from .meta import difference_from_rank0
 from .sharding import canonical_name
 from .plan import _Sharded, bucket_budget
 from .source import Rank0Source
-from .transport import DistributeStats, _install, _send_flat, _send_p2p
+from .transport import DistributeStats, _install, _send_flat, _send_p2p, narrow_sources
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -76,6 +76,7 @@ def follow_rank0_layout(
     coll: Collectives,
     *,
     rank0_problem: str | None = None,
+    wire: dict[str, str] | None = None,
 ) -> tuple[list[_Sharded], list[tuple[str, nn.Module, str, torch.Tensor, bool]]]:
     """One plan for all ranks: rank 0's list of tensors (names, order, shapes, dtypes) is broadcast, and
     every rank orders its own tensors by it. The bucket plan is then computed from identical inputs on
@@ -85,6 +86,9 @@ def follow_rank0_layout(
     Args:
         rank0_problem: Why rank 0 cannot send (e.g. weights missing from its source): shared in the same
             broadcast, so that every rank raises it.
+        wire: Rank 0's tensors sent in a narrower dtype than their shards (name -> dtype name, see
+            :func:`~accelerate_memsafe.distributed.transport.narrow_sources`): shared in the same broadcast
+            and set as ``wire`` on every rank's items.
 
     Returns:
         ``(sharded, replicated)`` in rank 0's order.
@@ -95,7 +99,8 @@ def follow_rank0_layout(
     """
     layout = [("s", i.name, i.shape, str(i.dtype)) for i in sharded]
     layout += [("r", name, tuple(t.shape), str(t.dtype)) for name, _, _, t, _ in replicated]
-    ref, problem0 = coll.broadcast_object((layout, rank0_problem), src=0, what="broadcast of rank 0's distribution layout")
+    ref, problem0, wire = coll.broadcast_object((layout, rank0_problem, wire or {}), src=0,
+                                                what="broadcast of rank 0's distribution layout")
     if problem0:
         raise CheckpointError(f"`rank0_distribute`: {problem0}")
     problems: list[str] = []
@@ -114,6 +119,8 @@ def follow_rank0_layout(
             "every rank (e.g. `accelerate_memsafe.from_pretrained`)."
         )
     by_name = {i.name: i for i in sharded}
+    for name, dtype in wire.items():
+        by_name[name].wire = getattr(torch, dtype)
     rep_by_name = {r[0]: r for r in replicated}
     return [by_name[n] for k, n, _, _ in ref if k == "s"], [rep_by_name[n] for k, n, _, _ in ref if k == "r"]
 
@@ -239,7 +246,10 @@ def distribute_from_rank0(
                 f"missing {missing[:10]}, on meta {on_meta[:10]}. Rank 0 must hold the real weights "
                 "(load them there, e.g. with `accelerate_memsafe.from_pretrained`)."
             )
-    sharded, replicated = follow_rank0_layout(sharded, replicated, coll, rank0_problem=problem)
+    # gloo without nodes: one message per piece, narrower sources sent as they are (widened on receipt)
+    p2p = coll.device.type == "cpu" and nodes is None
+    wire = narrow_sources(sharded, source) if rank == 0 and p2p and problem is None else None
+    sharded, replicated = follow_rank0_layout(sharded, replicated, coll, rank0_problem=problem, wire=wire)
     gather_boxes(sharded, coll)
     budget = bucket_budget(bucket_bytes, prefetch_buckets, world)
     stats = DistributeStats(sharded_tensors=len(sharded), replicated_tensors=len(replicated), bucket_budget=budget)
@@ -270,7 +280,7 @@ def distribute_from_rank0(
                          check_finite=check_finite, progress=progress, timeout_s=coll.timeout_s, stats=stats)
         else:
             # gloo: one message per piece, zero-copy at both ends; other backends: a scatter per bucket
-            send = _send_p2p if coll.device.type == "cpu" else _send_flat
+            send = _send_p2p if p2p else _send_flat
             send(sharded, replicated, source=source, coll=coll, locals_=locals_, budget=budget,
                  prefetch_buckets=prefetch_buckets, device=device, check_finite=check_finite, progress=progress,
                  stats=stats)

@@ -89,6 +89,12 @@ class Rank0Source:
         self._mapped.add(name)
         return t[start:stop].reshape(-1).view(torch.uint8)
 
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype rank 0 holds ``name`` in (the checkpoint's for a name read from it)."""
+        if name in self.from_checkpoint:
+            return self.checkpoint.entries[name].dtype
+        return self.tensors[name].dtype
+
     def sent(self, views: list[torch.Tensor]) -> None:
         """Drops from this process's RSS the pages of the checkpoint's mapping that ``views`` (from
         :meth:`rows_view`, now sent) faulted in; views of the model's own tensors are left to :meth:`release`."""

@@ -329,16 +329,47 @@ def _send_replicated(replicated, *, source, coll: Collectives, budget: int, devi
         del flat
 
 
+#: Source dtypes that widen exactly into the shard dtypes of :data:`_WIDE` (every value representable):
+#: sent as they are and cast by the receiver, with the same bits as a cast on rank 0.
+_NARROW = (torch.float16, torch.bfloat16)
+_WIDE = (torch.float32, torch.float64)
+
+
+def narrow_sources(sharded, source: Rank0Source) -> dict[str, str]:
+    """Rank 0's tensors to send in its source's narrower float dtype (a bf16 checkpoint into fp32 shards, as
+    under ``mixed_precision``): half the bytes on the wire, no cast on rank 0, a view of the file where the
+    rows are whole; each receiver widens its rows as it copies them into its shard (the same bits). Only
+    rank 0 knows its source: the choice travels with its layout (:func:`follow_rank0_layout`).
+
+    Example:
+        >>> # narrow_sources(sharded, source) -> {"model.embed_tokens.weight": "bfloat16", ...}
+    """
+    out = {}
+    for item in sharded:
+        have = source.dtype_of(item.name) if item.name in source.tensors else None
+        if have in _NARROW and item.dtype in _WIDE:
+            out[item.name] = str(have).removeprefix("torch.")
+    return out
+
+
+def _wire_bytes(piece: _Piece) -> tuple[torch.dtype, int]:
+    """The dtype and bytes of ``piece`` on the wire."""
+    dtype = piece.item.wire or piece.item.dtype
+    return dtype, piece.nbytes // piece.item.dtype.itemsize * dtype.itemsize
+
+
 def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
               device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
     """The CPU (gloo) transport: every piece of the plan is one message, sent from rank 0's tensor as it is
     where it needs no cast (no copy, no bucket buffer: rank 0's private memory stays at its shard) and received
     straight into the receiving rank's shard where its bytes are contiguous there (no staging copy).
 
-    Pieces that need a copy on rank 0 (a cast, a TP block's columns, ``check_finite``) are read into a reusable
-    :class:`BufferRing` buffer at their planned offsets, so the bound on rank 0's copies in flight is that of
-    :func:`_send_flat`. Bucket ``k + 1`` is posted before bucket ``k`` is waited for; rank 0 prepares buckets
-    ahead in the bounded prefetch thread. Replicated tensors follow, one broadcast per group.
+    A tensor rank 0 holds in a narrower float dtype than its shards (:func:`narrow_sources`) travels in that
+    dtype and is widened by the receiver. Pieces that need a copy on rank 0 (a cast, a TP block's columns,
+    ``check_finite``) are read into a reusable :class:`BufferRing` buffer at their planned offsets, so the bound
+    on rank 0's copies in flight is that of :func:`_send_flat`. Bucket ``k + 1`` is posted before bucket ``k``
+    is waited for; rank 0 prepares buckets ahead in the bounded prefetch thread. Replicated tensors follow, one
+    broadcast per group.
     """
     rank, world = coll.rank, coll.world_size
     buckets = plan_buckets(sharded, world, budget)
@@ -357,18 +388,19 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
                     source.read_rows(item.name, piece.start, piece.stop, _region(piece, locals_), piece.cols())
                     out = _region(piece, locals_)
                 else:
+                    dtype, nbytes = _wire_bytes(piece)
                     view = None
                     if not check_finite:
-                        view = source.rows_view(item.name, piece.start, piece.stop, item.dtype, piece.cols())
-                    if view is not None and view.numel() == piece.nbytes:
+                        view = source.rows_view(item.name, piece.start, piece.stop, dtype, piece.cols())
+                    if view is not None and view.numel() == nbytes:
                         sends.append((piece.rank, view))
                         viewed.add(item.name)
                         continue
                     if flat is None:
                         flat = ring.take()
                     at = piece.rank * n + piece.offset
-                    raw = flat[at : at + piece.nbytes]
-                    out = raw.view(item.dtype).view(piece.block_shape())
+                    raw = flat[at : at + nbytes]
+                    out = raw.view(dtype).view(piece.block_shape())
                     source.read_rows(item.name, piece.start, piece.stop, out, piece.cols())
                     sends.append((piece.rank, raw))
                 if check_finite and item.dtype.is_floating_point and not torch.isfinite(out).all():
@@ -423,15 +455,16 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
             recvs, staged = [], []
             for piece in bucket.pieces_of(rank):
                 region = _region(piece, locals_)
-                if region.is_contiguous() and region.device == coll.device:
+                dtype, nbytes = _wire_bytes(piece)
+                if dtype == piece.item.dtype and region.is_contiguous() and region.device == coll.device:
                     recvs.append((0, region.reshape(-1).view(torch.uint8)))
                     continue
                 k = bucket.index % 2
                 if staging[k] is None:
                     staging[k] = torch.empty(largest, dtype=torch.uint8, device=coll.device)
-                raw = staging[k][piece.offset : piece.offset + piece.nbytes]
+                raw = staging[k][piece.offset : piece.offset + nbytes]
                 recvs.append((0, raw))
-                staged.append((region, raw.view(piece.item.dtype).view(piece.block_shape())))
+                staged.append((region, raw.view(dtype).view(piece.block_shape())))  # widened by the copy
             pending = coll.exchange_async([], recvs, what=f"receive of bucket {bucket.index + 1}/{len(buckets)}")
             if received is not None:
                 try:

@@ -329,9 +329,15 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
 
     Example:
         >>> lay = layout([TensorSpec("w", (1024, 1024), 4)], world_size=2, load_bytes=2, mixed_precision="bf16")
-        >>> peak = distribute_peak(lay, rank=0, bucket_bytes=4 << 20, prefetch_buckets=2, load_source="rank0")
-        >>> (peak.cpu - DISTRIBUTE_OVERHEAD) >> 10  # 2 MiB fp32 shard + the other rank's half of a 3 x 1 MiB ring
+        >>> kw = dict(bucket_bytes=4 << 20, prefetch_buckets=2, load_source="rank0")
+        >>> (distribute_peak(lay, rank=0, transport="scatter", **kw).cpu - DISTRIBUTE_OVERHEAD) >> 10
         3584
+        >>> [(distribute_peak(lay, rank=r, **kw).cpu - DISTRIBUTE_OVERHEAD) >> 10 for r in (0, 1)]
+        [2048, 3072]
+
+        With a scatter, rank 0 holds its 2 MiB fp32 shard and casts the other rank's half of a 3 x 1 MiB ring;
+        on gloo (``p2p``) it sends the bf16 rows as they are, and rank 1 widens them into its shard through two
+        staging buffers of its 512 KiB share of a bucket.
     """
     n = lay.world_size
     budget = max(_ALIGN * n, bucket_bytes // (prefetch_buckets + 2))
@@ -343,35 +349,48 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
     ids = {id(t) for t in local}
     scattered = [t for t in lay.tensors if id(t) not in ids and t.sharded]
     replicated = sum(t.numel * lay.itemsize(t) for t in lay.tensors if id(t) not in ids and not t.sharded)
-    # p2p sends rank 0's own tensor where it already has the training dtype; a cast needs a copy in the ring
-    copied = [t for t in scattered if transport != "p2p" or lay.source_itemsize(t) != lay.itemsize(t)]
-    sent = n * sum(lay.block_bytes(t) for t in copied)
+    p2p = transport == "p2p" and load_source != "node"
+
+    def cut(t: TensorSpec) -> bool:  # a row larger than a rank's share is cut along dim 1 (not a view)
+        return t.row_numel * lay.itemsize(t) > budget // n
+
+    def narrow(t: TensorSpec) -> bool:  # p2p sends a bf16 / fp16 source as it is, widened by the receiver
+        return p2p and t.floating and lay.source_itemsize(t) == 2 and lay.itemsize(t) >= 4
+
+    # p2p sends rank 0's own tensor (or the file's mapping) where it needs no cast or only a widening; the rest,
+    # and every row cut along dim 1, is copied into the ring (in the narrower dtype when it is widened later)
+    copied = [t for t in scattered if not p2p or (lay.source_itemsize(t) != lay.itemsize(t) and not narrow(t))
+              or (narrow(t) and cut(t))]
+    wire = {id(t): lay.source_itemsize(t) / lay.itemsize(t) for t in copied if narrow(t)}
+    sent = n * sum(int(lay.block_bytes(t) * wire.get(id(t), 1)) for t in copied)
     buffers = piece = 0  # the ring or the receive buffers (on the collectives' device); the cast read (CPU)
     if rank == 0 or load_source == "node":
         # the other ranks' slots of at most k + 1 buckets (rank 0 reads its own piece into its shard), and
         # one slot's file rows when it re-reads a mapped weight from the file and casts it
         buffers = min((prefetch_buckets + 1) * budget, sent) * (n - 1) // n
         piece = max((min(budget // n, lay.block_bytes(t)) * t.file_itemsize // lay.itemsize(t)
-                     for t in scattered if lay.is_mapped(t) and t.file_itemsize != lay.itemsize(t)), default=0)
+                     for t in scattered if lay.is_mapped(t) and t.file_itemsize != lay.itemsize(t)
+                     and not narrow(t)), default=0)
     elif transport != "p2p":
         buffers = min(budget // n, sent // n)  # one receive buffer of a rank's slot
-    elif any(t.row_numel * lay.itemsize(t) > budget // n for t in scattered):
-        # a row larger than a rank's share is cut along dim 1: not contiguous in the shard, so received into
-        # one of two staging buffers of a slot (one receiving while the other is copied into place)
-        buffers = 2 * (budget // n)
+    elif any(cut(t) or narrow(t) for t in scattered):
+        # a row cut along dim 1 is not contiguous in the shard, and a narrower dtype is widened on arrival: both
+        # received into one of two staging buffers of the largest slot (one receiving while the other is copied
+        # into place)
+        buffers = 2 * min(budget // n, sum(lay.block_bytes(t) for t in scattered))
     group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
     if on_device:
         return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
     if rank == 0 and load_source != "node":
         sent = rank0_send_peak(lay, local, scattered, copied=[id(t) for t in copied], budget=budget,
-                               prefetch_buckets=prefetch_buckets)
+                               prefetch_buckets=prefetch_buckets, wire=wire)
         return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece) + group
                          + DISTRIBUTE_OVERHEAD)
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
 
 
 def rank0_send_peak(lay: Layout, local: list[TensorSpec], scattered: list[TensorSpec], *, copied: list[int],
-                    budget: int, prefetch_buckets: int) -> int:
+                    budget: int, prefetch_buckets: int, wire: dict[int, float] | None = None) -> int:
     """Rank 0's highest (shard pages written + ring buffers touched - private copies handed back) while it sends
     ``scattered``, bucket by bucket, on the CPU.
 
@@ -379,7 +398,8 @@ def rank0_send_peak(lay: Layout, local: list[TensorSpec], scattered: list[Tensor
     itself (``local``) are written first. Bucket j carries each rank's next b / N bytes of its rows, in model
     order; preparing it writes rank 0's slot into its shard and, for the tensors in ``copied`` (by ``id``: a
     cast, or every tensor with a scatter), the other ranks' slots into one of the k + 1 reused ring buffers
-    ((N - 1) / N of it). A tensor built in private memory (not mapped: e.g. fused experts) is freed, and the
+    ((N - 1) / N of it; ``wire``: by ``id``, the fraction of a copied piece's bytes it takes in the ring when it
+    travels in a narrower dtype). A tensor built in private memory (not mapped: e.g. fused experts) is freed, and the
     memory trimmed back to the kernel, as soon as its last bucket is prepared when all its pieces were copied,
     or once that bucket is sent (before bucket j + k + 1 is prepared) when a piece went out as its own bytes.
 
@@ -403,8 +423,9 @@ def rank0_send_peak(lay: Layout, local: list[TensorSpec], scattered: list[Tensor
         first, end = end // slot, end + b
         last = max(first, (end - 1) // slot)
         if id(t) in copied_ids:
+            share = (wire or {}).get(id(t), 1)
             for j in range(first, last + 1):
-                ringed[j] += (min(end, (j + 1) * slot) - max(end - b, j * slot)) * n
+                ringed[j] += int((min(end, (j + 1) * slot) - max(end - b, j * slot)) * n * share)
         if not lay.is_mapped(t):
             freed_at[last + 1 if id(t) in copied_ids else last + k + 1] += t.numel * lay.source_itemsize(t)
     local_bytes = sum(lay.block_bytes(t) for t in local)

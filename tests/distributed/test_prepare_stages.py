@@ -94,6 +94,10 @@ def test_bf16_checkpoint_with_mixed_precision_and_small_buckets(tmp_path):
         assert all(p["dtype"] == "torch.float32" for p in res["params"].values())
     rec = [r for r in results[0]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 0][0]
     assert rec["details"]["buckets"] > 5, "small buckets: many round trips, large tensors cut into units"
+    # the rows travel in the checkpoint's bf16 (half the bytes of the fp32 shard) and rank 1 widens them
+    rank1 = [r for r in results[1]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 1][0]
+    shard_bytes = sum(p["local"].numel() * p["local"].element_size() for p in results[1]["params"].values())
+    assert rank1["details"]["bytes_received"] == shard_bytes // 2 == rec["details"]["bytes_sent"]
 
 
 def test_tied_embeddings_stay_tied_with_cpu_offload(tmp_path):

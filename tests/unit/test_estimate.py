@@ -69,8 +69,10 @@ def test_fused_experts_are_the_models_tensors_and_travel_through_rank0(tmp_path)
     shard = sum(-(-t.shape[0] // n) * t.numel // t.shape[0] * 4 for t in s.tensors)
     sent = n * sum(-(-t.shape[0] // n) * t.numel // t.shape[0] * 4 for t in fused)
     chunk = max(-(-t.shape[0] // n) * t.numel // t.shape[0] * 2 for t in s.tensors if t not in fused)  # bf16 rows, cast
-    assert preds[("rank0_distribute", 0)].cpu_anon_bytes == shard + max(chunk, sent * (n - 1) // n) + DISTRIBUTE_OVERHEAD
-    assert preds[("rank0_distribute", 1)].cpu_anon_bytes == shard + chunk + DISTRIBUTE_OVERHEAD  # received in place
+    # rank 0 sends the fused bf16 experts as they are (no ring); each rank widens them into its fp32 shard
+    # through two staging buffers of the largest slot (here all of a rank's fused rows)
+    assert preds[("rank0_distribute", 0)].cpu_anon_bytes == shard + max(chunk - sent // n, 0) + DISTRIBUTE_OVERHEAD
+    assert preds[("rank0_distribute", 1)].cpu_anon_bytes == shard + max(chunk, 2 * sent // n) + DISTRIBUTE_OVERHEAD
     assert released_by_rank0(layout(s.tensors, world_size=n, load_bytes=2, mixed_precision="bf16")) == \
         sum(t.numel * 2 for t in fused)  # the bf16 copies transformers fused, freed as they are sent
 
@@ -91,16 +93,16 @@ def test_predictions_follow_the_mechanisms():
     b16 = _summary(TensorSpec("big", (10, 2**20), 2), TensorSpec("rest", (4096, 90 * 256), 2))
     cast = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16"))
     assert cast[("rank0_distribute", 1)].cpu_anon_bytes == shard + min(budget, 1024 * 90 * 256 * 2) + DISTRIBUTE_OVERHEAD
-    # ... and rank 0 casts the other ranks' pieces into at most prefetch + 1 buckets of bucket_bytes // (prefetch + 2),
-    # re-reading the file one slot at a time (half a slot of bf16 rows)
+    # ... and rank 0 sends the other ranks' bf16 rows as they are (views of the file, no ring), each rank widening
+    # them into its shard through two staging buffers of a share
     ring = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16", load_source="rank0"))
-    assert ring[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget * 3 // 4 + budget // n // 2 + DISTRIBUTE_OVERHEAD
-    assert ring[("rank0_distribute", 1)].cpu_anon_bytes == shard + DISTRIBUTE_OVERHEAD
-    # half the bucket: half the ring, and big's 4 MiB rows exceed a rank's share: cut along dim 1, received
-    # through two staging buffers of a share
+    assert ring[("rank0_distribute", 0)].cpu_anon_bytes == shard + DISTRIBUTE_OVERHEAD
+    assert ring[("rank0_distribute", 1)].cpu_anon_bytes == shard + 2 * (budget // n) + DISTRIBUTE_OVERHEAD
+    # half the bucket: big's 4 MiB rows exceed a rank's share, so they are cut along dim 1 and copied, in bf16,
+    # into at most prefetch + 1 ring buffers of the other ranks' slots (half a bucket of fp32 bytes each)
     half = _by_stage(predict(b16, num_processes=n, dtype="bf16", mixed_precision="bf16", load_source="rank0",
                              bucket_bytes=bucket // 2))
-    assert half[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * budget // 2 * 3 // 4 + budget // 2 // n // 2 + DISTRIBUTE_OVERHEAD
+    assert half[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * (budget // 2) * 3 // 4 // 2 + DISTRIBUTE_OVERHEAD
     assert half[("rank0_distribute", 1)].cpu_anon_bytes == shard + 2 * (budget // 2 // n) + DISTRIBUTE_OVERHEAD
     # the other stages: fully_shard's bookkeeping, rank 0's pagemap scan of the mapped weights, nothing else
     assert auto[("shard", 2)].cpu_anon_bytes == FULLY_SHARD_OVERHEAD
@@ -137,7 +139,9 @@ def test_the_preflight_estimates_count_fp32_master_weights_padding_and_the_pagem
     ctx = HookContext(hook="prepare", rank=1, world_size=4, device=torch.device("cpu"), options=plugin, model=model,
                       is_fsdp2=True, mixed_precision="bf16")
     est = Rank0DistributeStage(plugin).estimate(ctx)
-    assert est.cpu_bytes == 3 * 4 * MIB + DISTRIBUTE_OVERHEAD and est.device_bytes == 0  # received in place
+    # its 3 rows of fp32, and two staging buffers of a rank's share of a bucket (64 MiB // 4 // 4 ranks) into
+    # which the bf16 rows arrive before they are widened
+    assert est.cpu_bytes == 3 * 4 * MIB + 2 * 4 * MIB + DISTRIBUTE_OVERHEAD and est.device_bytes == 0
     # meta_placement: rank 0 scans the pagemap of the 20 MiB of bf16 weights it holds (53 bytes per page)
     assert MetaPlacementStage(plugin).estimate(ctx) is None
     ctx.rank = 0
