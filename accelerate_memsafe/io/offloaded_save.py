@@ -211,16 +211,15 @@ class _PrivateBytes:
     def __init__(self) -> None:
         self._ranges: list[tuple[int, int]] | None = None
 
+    def _inside(self, ptr: int) -> bool:
+        i = bisect.bisect_right(self._ranges, (ptr, float("inf"))) - 1
+        return i >= 0 and self._ranges[i][0] <= ptr < self._ranges[i][1]
+
     def _mapped(self, ptr: int) -> bool:
-        for fresh in (self._ranges is None, True):  # a new offload file may have been mapped since
-            if fresh:
-                self._ranges = file_backed_ranges()
-            i = bisect.bisect_right(self._ranges, (ptr, float("inf"))) - 1
-            if i >= 0 and self._ranges[i][0] <= ptr < self._ranges[i][1]:
-                return True
-            if fresh:
-                return False
-        return False
+        if self._ranges is not None and self._inside(ptr):
+            return True
+        self._ranges = file_backed_ranges()  # a new offload file may have been mapped since the last read
+        return self._inside(ptr)
 
     def __call__(self, writes: list[TensorWrite], loaded: list[torch.Tensor], resident: list[torch.Tensor]) -> int:
         own = {t.untyped_storage().data_ptr() for t in resident}

@@ -336,8 +336,9 @@ class SafetensorsSource:
         """Closes the open file descriptors and the mappings (a mapping a view still uses stays until that
         view is gone)."""
         maps, self._maps = self._maps, {}
-        for mm, whole in maps.values():
-            del whole
+        while maps:
+            mm, whole = maps.popitem()[1]
+            del whole  # the last reference of this source's own view: the mapping can close
             try:
                 mm.close()
             except BufferError:  # a view is still alive: the mapping goes with it

@@ -176,5 +176,7 @@ def test_rank0_sends_checkpoint_rows_from_a_mapping_and_drops_its_pages_once_sen
     assert faulted > 0 and read_proc_memory().rss - before < faulted
     assert torch.equal(view.view(torch.float32).view(384, 1024), w[128:512])  # still readable: re-read from the file
     assert torch.equal(own, torch.ones(4096))
+    mapping = next(iter(ckpt._maps.values()))[0]
     del view, mine
     src.close()
+    assert mapping.closed  # no view left: close() unmaps the file
