@@ -16,6 +16,7 @@ import torch
 
 from .background import BackgroundWork, process_work
 from .errors import PipelineError
+from .memory.limits import cpu_memory_limit
 from .memory.probe import MemoryProbe, ProbeResult
 from .memory.report import MemoryReport, StageRecord
 
@@ -114,8 +115,6 @@ def available_memory(device: torch.device | None):
     """The CPU memory this process can still use (a :class:`~accelerate_memsafe.memory.limits.CpuLimit`:
     the host's ``MemAvailable`` or a tighter cgroup limit) and free device memory (``None`` without an
     accelerator)."""
-    from .memory.limits import cpu_memory_limit
-
     dev = None
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         dev = torch.cuda.mem_get_info(device)[0]

@@ -51,9 +51,10 @@ class MemSafePlugin:
     """Where the ranks get their weights at ``prepare``: ``"rank0"`` (rank 0 reads and scatters each rank's
     block), ``"node"`` (each node's leader reads or receives its node's blocks, at most one copy per node from rank
     0, and scatters them within the node), ``"every_rank"`` (each rank reads its own block from the checkpoint:
-    every rank must see rank 0's checkpoint, same size, modification time and header), ``"auto"`` (``every_rank``
-    where valid, else ``node`` when every node's leader sees the checkpoint, else ``rank0``; the report says which
-    and why)."""
+    every rank must see rank 0's checkpoint, same size, modification time and header), ``"auto"`` (on the CPU, the
+    weights stay in place when every rank already maps them, unmodified, from the same checkpoint, as transformers'
+    ``from_pretrained`` on every rank does: ``fully_shard`` keeps each rank's rows; else ``every_rank`` where valid,
+    else ``node`` when every node's leader sees the checkpoint, else ``rank0``; the report says which and why)."""
 
     optimizer_offload: bool = False
     """Keep optimizer state on CPU between steps (and reload it straight to CPU)."""

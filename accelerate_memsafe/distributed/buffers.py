@@ -3,7 +3,13 @@
 Non-persistent buffers (rotary ``inv_freq``, causal masks ...) are not in any state dict, so no load
 fills them: on a rank that built the model on ``meta`` they are missing, and on a rank that built it with
 uninitialised memory they are garbage. Rank 0's value is the truth, even where the user changed it on
-purpose (a rescaled rotary ``inv_freq``). Rank 0 makes one plan and broadcasts it; for each buffer:
+purpose (a rescaled rotary ``inv_freq``).
+
+0. *Check first*: every rank's buffers (shapes, dtypes, checksums) are compared with rank 0's in one
+   all-gather of a fixed-size row; where every rank already holds rank 0's values, all finite (a model every
+   rank built or loaded the same way), there is nothing to do.
+
+Otherwise rank 0 makes one plan and broadcasts it; for each buffer:
 
 1. *Recompute* it on the other ranks from the module's own recipe, but only where rank 0 proved that the
    recipe reproduces rank 0's current value bit for bit (rank 0 runs it on a scratch copy and compares;
@@ -35,12 +41,16 @@ class BufferStats:
     broadcast: int = 0
     verified: int = 0
     resent: int = 0
+    already_equal: int = 0
 
     def details(self) -> dict[str, int]:
-        """The report's details; ``resent`` appears only when a buffer had to be sent again."""
+        """The report's details; ``resent`` appears only when a buffer had to be sent again, ``already_equal``
+        only when every rank held rank 0's values from the start."""
         out = {"recomputed": self.recomputed, "broadcast": self.broadcast, "verified": self.verified}
         if self.resent:
             out["resent"] = self.resent
+        if self.already_equal:
+            out["already_equal"] = self.already_equal
         return out
 
 
@@ -155,6 +165,29 @@ def _gather_checks(buffers: list, coll: Collectives) -> list[torch.Tensor]:
     return coll.all_gather(torch.tensor(rows, dtype=torch.int64).view(-1, 2), what="checksum all-gather of non-persistent buffers")
 
 
+def _equal_everywhere(buffers: list, coll: Collectives) -> bool:
+    """Whether every rank already holds rank 0's buffers: the same names, shapes, dtypes and checksums, all
+    finite and none on ``meta``. One all-gather of three integers per rank (a count, a digest, a flag), so
+    ranks that hold different buffers never disagree on a collective's size."""
+    import hashlib
+
+    rows = []
+    for fqn, mod, local, _ in buffers:
+        t = mod._buffers[local]
+        if t.is_meta:
+            rows = None
+            break
+        finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
+        if not finite:
+            rows = None
+            break
+        rows.append((fqn, tuple(t.shape), str(t.dtype), _checksum(t)))
+    digest = int.from_bytes(hashlib.sha256(repr(rows).encode()).digest()[:7], "little")
+    mine = torch.tensor([len(buffers), digest, rows is not None], dtype=torch.int64)
+    gathered = coll.all_gather(mine, what="check of the non-persistent buffers against rank 0's")
+    return all(bool(g[2]) and torch.equal(g, gathered[0]) for g in gathered)
+
+
 def _differing(gathered: list[torch.Tensor], i: int) -> list[int]:
     """Ranks whose buffer ``i`` is not finite or whose checksum differs from rank 0's."""
     return [r for r, g in enumerate(gathered) if int(g[i, 0]) == 0 or int(g[i, 1]) != int(gathered[0][i, 1])]
@@ -195,6 +228,9 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
     stats = BufferStats()
     buffers = _non_persistent(model)
     if not buffers:
+        return stats
+    if _equal_everywhere(buffers, coll):
+        stats.verified = stats.already_equal = len(buffers)
         return stats
     by_module: dict[int, list[int]] = {}
     for i, (_, mod, _, _) in enumerate(buffers):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 from dataclasses import dataclass
-import io
 import json
 import pickle
 import threading
@@ -550,38 +549,64 @@ class Collectives:
         self.all_reduce(torch.zeros(1), what=what)
 
     def all_gather_object(self, obj: Any, *, what: str = "all_gather of metadata") -> list[Any]:
-        """Gathers a picklable object from every rank (two all-gathers: sizes, then padded bytes).
+        """Gathers a picklable object from every rank: one all-gather of :data:`OBJECT_FIRST_BYTES` (with each
+        object's size), and a second one only for what exceeds it on some rank.
 
         Returns:
             Every rank's object, in rank order.
         """
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = [int(s.item()) for s in self.all_gather(torch.tensor([data.numel()], dtype=torch.int64), what=f"{what} (sizes)")]
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[: data.numel()] = data
-        out = self.all_gather(padded, what=what)
-        return [pickle.loads(t[:n].numpy().tobytes()) for t, n in zip(out, sizes)]
+        data = pickle.dumps(obj)
+        first = self.all_gather(_first_part(data), what=what)
+        sizes = [_size_of(t) for t in first]
+        rest = max(sizes) - OBJECT_FIRST_BYTES
+        tails = [b""] * self.world_size
+        if rest > 0:  # every rank sees the same sizes, so every rank takes part
+            padded = torch.zeros(rest, dtype=torch.uint8)
+            mine = data[OBJECT_FIRST_BYTES:]
+            if mine:
+                padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            tails = [t.numpy().tobytes() for t in self.all_gather(padded, what=f"{what} (rest)")]
+        return [pickle.loads((t[8 : 8 + OBJECT_FIRST_BYTES].numpy().tobytes() + tail)[:n])
+                for t, tail, n in zip(first, tails, sizes)]
 
     def broadcast_object(self, obj: Any, *, src: int = 0, what: str = "broadcast of metadata") -> Any:
-        """Broadcasts a picklable object from ``src`` (two broadcasts: size, then bytes).
+        """Broadcasts a picklable object from ``src``: one broadcast of :data:`OBJECT_FIRST_BYTES` (with the
+        object's size), and a second one only for what exceeds it.
 
         Returns:
             The object of ``src`` on every rank.
         """
-        if self.rank == src:
-            buf = io.BytesIO()
-            pickle.dump(obj, buf)
-            data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.broadcast(size, src=src, what=f"{what} (size)")
-        if self.rank != src:
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
-        self.broadcast(data, src=src, what=what)
+        data = pickle.dumps(obj) if self.rank == src else b""
+        first = _first_part(data) if self.rank == src else torch.zeros(8 + OBJECT_FIRST_BYTES, dtype=torch.uint8)
+        self.broadcast(first, src=src, what=what)
+        size = _size_of(first)
+        if size > OBJECT_FIRST_BYTES:
+            if self.rank == src:
+                rest = torch.frombuffer(bytearray(data[OBJECT_FIRST_BYTES:]), dtype=torch.uint8)
+            else:
+                rest = torch.empty(size - OBJECT_FIRST_BYTES, dtype=torch.uint8)
+            self.broadcast(rest, src=src, what=f"{what} (rest)")
         if self.rank == src:
             return obj
-        return pickle.loads(data.numpy().tobytes())
+        tail = rest.numpy().tobytes() if size > OBJECT_FIRST_BYTES else b""
+        return pickle.loads((first[8 : 8 + OBJECT_FIRST_BYTES].numpy().tobytes() + tail)[:size])
+
+
+#: Bytes of a pickled object that travel with the first collective of :meth:`Collectives.all_gather_object` and
+#: :meth:`Collectives.broadcast_object`: the metadata the stages exchange fits, so one round trip suffices.
+OBJECT_FIRST_BYTES = 16 * 1024
+
+
+def _first_part(data: bytes) -> torch.Tensor:
+    """The first collective's buffer: the object's size (8 bytes, little-endian), then its first bytes."""
+    buf = torch.zeros(8 + OBJECT_FIRST_BYTES, dtype=torch.uint8)
+    head = len(data).to_bytes(8, "little") + data[:OBJECT_FIRST_BYTES]
+    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return buf
+
+
+def _size_of(first: torch.Tensor) -> int:
+    return int.from_bytes(first[:8].numpy().tobytes(), "little")
 
 
 def _comm_device(group: Any) -> torch.device:

@@ -13,6 +13,11 @@ The weights read this way move through no collective: what a rank reads is its o
 ``pread`` straight into its local shard when the dtype matches, otherwise in chunks of at most the bucket
 budget.
 
+``in place`` (what ``auto`` tries first): when every rank already holds the whole model as unmodified views of
+the same checkpoint's mapping (transformers' zero-copy load on every rank), every rank's bytes are rank 0's,
+and ``fully_shard`` keeps each rank's own rows as stock accelerate does: no weight goes to ``meta``, none is
+read again or sent (:func:`agree_on_in_place`, one all-gather of a small token per rank).
+
 ``node``: only each node's leader (its local rank 0) must see the files; it reads for its node's ranks and
 scatters within the node (:mod:`~accelerate_memsafe.distributed.node_scatter`), and rank 0 sends each
 leader what it cannot read.
@@ -23,8 +28,11 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from torch import nn
 
 from ..errors import CheckpointError
 from ..io.safetensors_source import SafetensorsSource
@@ -139,3 +147,116 @@ def close_unless(source: SafetensorsSource | None, keep: Any) -> None:
     """Closes a source opened for local reads (not rank 0's own, ``keep``)."""
     if source is not None and source is not keep:
         source.close()
+
+
+@dataclass
+class InPlace:
+    """What :func:`agree_on_in_place` decided, the same on every rank."""
+
+    in_place: bool
+    why: str | None = None
+    """Why not (``None`` when in place)."""
+    rank0_checkpoint: SafetensorsSource | None = None
+    """On rank 0, when not in place: its checkpoint, for ``meta_placement`` to reuse (``None`` elsewhere)."""
+    rank0_names: set[str] = field(default_factory=set)
+    """On rank 0, with ``rank0_checkpoint``: the names proved to be the checkpoint's unmodified bytes."""
+
+
+def named_weights(model: nn.Module, layout: list | None = None) -> dict[str, torch.Tensor]:
+    """Canonical name -> detached tensor of every parameter and persistent buffer, every name of a tie
+    included (the aliases map to one tensor object), as :func:`~accelerate_memsafe.distributed.meta.move_to_meta`
+    names rank 0's originals. ``layout``: a list that receives ``(name, shape, dtype, is_param,
+    requires_grad)`` of each name, in order (what every rank must agree on).
+
+    Example:
+        >>> a = nn.Linear(2, 2); m = nn.Sequential(a, nn.Linear(2, 2)); m[1].weight = a.weight
+        >>> w = named_weights(m); sorted(w), w["0.weight"] is w["1.weight"]
+        (['0.bias', '0.weight', '1.bias', '1.weight'], True)
+    """
+    from .sharding import canonical_name
+
+    detached: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        tensors = [(k, p, True) for k, p in mod._parameters.items() if p is not None]
+        tensors += [(k, b, False) for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set]
+        for local, t, is_param in tensors:
+            if id(t) not in detached:
+                detached[id(t)] = t.detach()
+            name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
+            if name not in out:
+                out[name] = detached[id(t)]
+                if layout is not None:
+                    layout.append((name, tuple(t.shape), str(t.dtype), is_param, t.requires_grad))
+    return out
+
+
+def _would_upcast(model: nn.Module, mixed_precision: str) -> list[str]:
+    """The trainable parameters accelerate's FSDP2 ``prepare`` casts to fp32 master weights (a full private copy)."""
+    if mixed_precision == "no":
+        return []
+    return [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
+
+
+def _in_place_token(model: nn.Module, rank: int, mixed_precision: str) -> tuple[Any, str | None, tuple[Any, set[str]]]:
+    """This rank's ``(token, why not, (checkpoint, names))``: the token (checkpoint path, identity, and a digest of
+    every weight's name, shape, dtype and ``requires_grad``) when every weight it holds is an unmodified view of
+    one mapped checkpoint, else ``None`` and why."""
+    from .meta import checkpoint_source_names
+
+    upcast = _would_upcast(model, mixed_precision)
+    if upcast:
+        return None, (f"rank {rank}: mixed precision makes accelerate cast {len(upcast)} weight(s) to fp32 (e.g. "
+                      f"`{upcast[0]}`), a private copy of each"), (None, set())
+    layout: list = []
+    tensors = named_weights(model, layout)
+    off = next((n for n, t in tensors.items() if t.device.type != "cpu"), None)
+    if off is not None:
+        return None, f"rank {rank}: `{off}` is on {tensors[off].device}, not mapped from a file", (None, set())
+    checkpoint, names = checkpoint_source_names(tensors, getattr(model, "_memsafe_checkpoint", None))
+    by_tensor: dict[int, list[str]] = {}
+    for n, t in tensors.items():
+        by_tensor.setdefault(id(t), []).append(n)
+    unproved = [aliases[0] for aliases in by_tensor.values() if not names.intersection(aliases)]
+    if checkpoint is None or unproved:
+        first = unproved[0] if unproved else next(iter(tensors), "?")
+        return None, (f"rank {rank}: {len(unproved) or len(by_tensor)} weight(s) are not unmodified views of a mapped "
+                      f"safetensors checkpoint (e.g. `{first}`: loaded another way, cast, or written in place)"), \
+            (checkpoint, names)
+    digest = hashlib.sha256(repr(layout).encode()).hexdigest()
+    return (os.path.abspath(checkpoint.path), checkpoint_identity(checkpoint), digest), None, (checkpoint, names)
+
+
+def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: str) -> InPlace:
+    """Decides, identically on every rank, whether ``fully_shard`` may keep each rank's own rows of the model it
+    holds (no weight to ``meta``, none read again or sent).
+
+    It may when every rank holds every weight as an unmodified view of the same checkpoint (the address *and* the
+    kernel's page record, :func:`~accelerate_memsafe.distributed.meta.checkpoint_source_names`, on each rank: an
+    edit on any rank disqualifies), every rank sees the same files (:func:`checkpoint_identity`), the same names,
+    shapes, dtypes and ``requires_grad`` flags, and no weight is cast to fp32 under mixed precision: then every
+    rank's bytes are rank 0's. One all-gather of a small token per rank.
+
+    Args:
+        coll: The stage's collectives.
+        model: The unsharded model.
+        mixed_precision: accelerate's setting (``"no"``, ``"bf16"``, ``"fp16"``).
+
+    Returns:
+        The decision; on rank 0, when not in place, its checkpoint and proven names for the rank-0 load to reuse.
+    """
+    token, why, (checkpoint, names) = _in_place_token(model, coll.rank, mixed_precision)
+    everyone = coll.all_gather_object((token, why), what="all_gather of whether every rank holds rank 0's mapped bytes")
+    ref = everyone[0][0]
+    whys = [w for _, w in everyone if w]
+    if ref is not None:
+        whys += [f"rank {r} maps another checkpoint or model than rank 0" for r, (t, w) in enumerate(everyone) if not w and t != ref]
+    if not whys:
+        if checkpoint is not None:
+            checkpoint.close()
+        return InPlace(True)
+    if coll.rank != 0:
+        if checkpoint is not None:
+            checkpoint.close()
+        return InPlace(False, "; ".join(whys[:3]))
+    return InPlace(False, "; ".join(whys[:3]), checkpoint, names if checkpoint is not None else set())

@@ -271,8 +271,10 @@ def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path:
         source = SafetensorsSource(checkpoint_path)
     except CheckpointError:
         return None, set()
-    views = [(n, t) for n, t in originals.items() if n in source.entries and is_view_of_entry(t, source.entries[n], maps)]
-    clean = unmodified_file_pages([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in views])
+    real: dict[str, str] = {}
+    views = [(n, t) for n, t in originals.items() if n in source.entries and is_view_of_entry(t, source.entries[n], maps, real)]
+    # every view lies inside one of `maps` (the checkpoint's mappings): no second read of /proc/self/maps
+    clean = unmodified_file_pages([(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in views], maps)
     names = {n for (n, _), ok in zip(views, clean) if ok}
     if not names:
         source.close()

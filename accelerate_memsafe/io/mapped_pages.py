@@ -47,21 +47,26 @@ def _parse_maps(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[in
     """``(start, end, file_offset, path, inode)`` of the regular-file mappings (see :func:`file_mappings`)."""
     out = []
     real: dict[str, str | None] = {}  # one stat per file, not per mapping (a .so has several)
+    suffix = path_suffix.encode()
     try:
-        with open(_MAPS, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6:
-                    continue  # anonymous mapping
-                path = parts[5].strip()
-                if not path.startswith("/") or path.endswith("(deleted)") or not path.endswith(path_suffix):
-                    continue
-                if path not in real:
-                    real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
-                if real[path] is None:
-                    continue
-                start, _, end = parts[0].partition("-")
-                out.append((int(start, 16), int(end, 16), int(parts[2], 16), real[path], int(parts[4])))
+        with open(_MAPS, "rb") as f:  # one read: the kernel writes the whole table (a few ms with ~1000 mappings)
+            lines = f.read().split(b"\n")
+        for raw in lines:
+            raw = raw.rstrip()
+            if not raw.endswith(suffix):  # before splitting: most lines are other files
+                continue
+            parts = raw.decode("utf-8", "replace").split(maxsplit=5)
+            if len(parts) < 6:
+                continue  # anonymous mapping
+            path = parts[5]
+            if not path.startswith("/") or path.endswith("(deleted)"):
+                continue
+            if path not in real:
+                real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
+            if real[path] is None:
+                continue
+            start, _, end = parts[0].partition("-")
+            out.append((int(start, 16), int(end, 16), int(parts[2], 16), real[path], int(parts[4])))
     except (OSError, ValueError):
         return []
     out.sort()
@@ -167,7 +172,7 @@ def _written_before(lo: int, hi: int, points: set[int]) -> dict[int, int] | None
     return out
 
 
-def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
+def unmodified_file_pages(spans: Sequence[tuple[int, int]], maps: Sequence[tuple[int, int, int, str]] | None = None) -> list[bool]:
     """Whether each address range ``[begin, end)`` still holds exactly the bytes of the file it maps.
 
     An in-place write to a private (copy-on-write) file mapping keeps the address: the written page
@@ -185,6 +190,8 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
 
     Args:
         spans: Byte ranges of this process's memory, e.g. ``(t.data_ptr(), t.data_ptr() + t.nbytes)``.
+        maps: The file mappings to accept spans in (:func:`file_mappings`, e.g. of the ``.safetensors`` files
+            only, already read by the caller); ``None``: every regular file's, read here.
 
     Returns:
         One flag per span, in order (``False`` for an empty span).
@@ -197,7 +204,7 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]]) -> list[bool]:
     out = [False] * len(spans)
     if not spans or not _pagemap_reports_private_writes():
         return out
-    maps = file_mappings(resolve=False)
+    maps = file_mappings(resolve=False) if maps is None else maps
     starts = [lo for lo, _, _, _ in maps]
 
     def in_one_file_mapping(begin: int, end: int) -> bool:

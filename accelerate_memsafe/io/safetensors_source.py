@@ -395,21 +395,24 @@ def mapped_checkpoint_dir(tensors: Iterable[torch.Tensor], maps: list[tuple[int,
     return None
 
 
-def is_view_of_entry(tensor: torch.Tensor, entry: TensorEntry, maps: list[tuple[int, int, int, str]]) -> bool:
+def is_view_of_entry(tensor: torch.Tensor, entry: TensorEntry, maps: list[tuple[int, int, int, str]],
+                     real: dict[str, str] | None = None) -> bool:
     """Whether ``tensor``'s bytes are the memory-mapped bytes of ``entry`` (a zero-copy load).
 
     transformers 5 loads weights as views of a copy-on-write mmap of the checkpoint. A view keeps its
     address when written in place, so this says where the bytes *came from*, not that they are still the
     file's: check that with :func:`accelerate_memsafe.io.mapped_pages.unmodified_file_pages` before
-    re-reading the tensor from the file.
+    re-reading the tensor from the file. ``real``: a cache of resolved paths, shared over many calls.
     """
     if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape or not tensor.is_contiguous():
         return False
     if tensor.device.type != "cpu" or tensor.numel() == 0:
         return False
     ptr = tensor.data_ptr()
-    real = os.path.realpath(entry.file)
+    real = {} if real is None else real
+    if entry.file not in real:
+        real[entry.file] = os.path.realpath(entry.file)
     for lo, hi, off, path in maps:
-        if lo <= ptr < hi and path == real:
+        if lo <= ptr < hi and path == real[entry.file]:
             return ptr - lo + off == entry.offset
     return False

@@ -5,6 +5,11 @@ no rank ever commits a full copy of the model. Rank 0's original tensors (often 
 mmap'ed checkpoint, or, for a model from :func:`accelerate_memsafe.from_pretrained`, the checkpoint file
 itself) become the source that ``rank0_distribute`` reads from.
 
+With ``load_source="auto"`` on the CPU, a model every rank already holds as unmodified views of one mapped
+checkpoint (transformers' zero-copy load on every rank) is left in place: every rank's bytes are rank 0's, and
+``fully_shard`` keeps each rank's own rows as stock accelerate does, with no weight read again or sent
+(:func:`~accelerate_memsafe.distributed.local_read.agree_on_in_place`).
+
 Runs whether or not ``fsdp_plugin.cpu_ram_efficient_loading`` is set: rank 0's weights are what every
 rank ends up with, which is what data-parallel training needs in both cases (with the flag off, stock
 accelerate keeps each rank's own copy, which only works if they are all equal anyway).
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 from ..distributed.sharding import fsdp2_prepare_skip_reason
 from ..distributed.collectives import Collectives
+from ..distributed.local_read import agree_on_in_place
 from ..distributed.meta import (
     agree_on_structure,
     checkpoint_source_names,
@@ -21,12 +27,15 @@ from ..distributed.meta import (
     parallelism_blocks_meta_placement,
 )
 from ..distributed.source import Rank0Source
+from ..memory.estimate import pagemap_scan_bytes
 from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran
 
 #: ``ctx.scratch`` key of rank 0's weight source (``Rank0Source``); ``None`` on other ranks.
 SOURCE_KEY = "rank0_source"
 #: ``ctx.scratch`` key set on every rank when the weights were moved to meta.
 PLACED_KEY = "meta_placed"
+#: ``ctx.scratch`` key set on every rank when every rank's weights were left in place (rank 0's bytes already).
+IN_PLACE_KEY = "weights_in_place"
 
 
 class MetaPlacementStage(Stage):
@@ -50,22 +59,45 @@ class MetaPlacementStage(Stage):
         return parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
 
     def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
-        # rank 0 scans the pagemap of the weights it holds on the CPU (whether they are the file's bytes)
-        if ctx.rank != 0 or not ctx.is_fsdp2 or ctx.model is None or ctx.world_size < 2:
+        # rank 0 scans the pagemap of the weights it holds on the CPU (whether they are the file's bytes); so does
+        # every other rank when the ranks may keep their weights in place (`agree_on_in_place`)
+        if not ctx.is_fsdp2 or ctx.model is None or ctx.world_size < 2:
             return None
-        from ..memory.estimate import pagemap_scan_bytes
-
+        if ctx.rank != 0 and self.in_place_blocker(ctx) is not None:
+            return None
         held = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.device.type == "cpu")
         return MemoryEstimate(cpu_bytes=pagemap_scan_bytes(held), what="rank 0's pagemap scan of the weights it maps")
 
+    def in_place_blocker(self, ctx: HookContext) -> str | None:
+        """Why the weights cannot stay in place whatever the ranks hold (the same on every rank: settings only),
+        or ``None`` when the ranks decide it together (:func:`agree_on_in_place`)."""
+        if self.options.load_source != "auto":
+            return f"load_source={self.options.load_source!r}"
+        if self.options.check_finite_weights:
+            return "check_finite_weights: rank 0 checks every weight while sending it"
+        if ctx.device.type != "cpu":
+            return f"training on {ctx.device.type}: fully_shard would first move each whole weight to the device"
+        if (getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1) > 1:
+            return "tensor parallelism: its plan is applied on meta"
+        return None
+
     def run(self, ctx: HookContext) -> StageOutcome:
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        blocker = self.in_place_blocker(ctx)
+        decision = None if blocker else agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
+        if decision is not None and decision.in_place:
+            ctx.scratch[IN_PLACE_KEY] = True
+            return ran(in_place=True, tensors=len({id(p) for p in ctx.model.parameters()}))
         reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0
         originals = move_to_meta(ctx.model, ctx.optimizers, reference, keep=is_src)
-        details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference)}
+        details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference), "in_place": False,
+                   "not_in_place_because": blocker or decision.why}
         if is_src:
-            checkpoint, names = checkpoint_source_names(originals, getattr(ctx.model, "_memsafe_checkpoint", None))
+            if decision is not None and decision.rank0_checkpoint is not None:  # proved on these very tensors
+                checkpoint, names = decision.rank0_checkpoint, decision.rank0_names
+            else:
+                checkpoint, names = checkpoint_source_names(originals, getattr(ctx.model, "_memsafe_checkpoint", None))
             ctx.scratch[SOURCE_KEY] = Rank0Source(originals, checkpoint, names)
             details["from_checkpoint"] = len(names)
         ctx.scratch[PLACED_KEY] = True

@@ -8,8 +8,9 @@ from ..distributed.collectives import Collectives
 from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless
 from ..distributed.scatter import distribute_from_rank0
 from ..distributed.topology import find_nodes
+from ..memory.estimate import distribute_peak, layout, tensors_of_model
 from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran
-from .meta_placement import PLACED_KEY, SOURCE_KEY
+from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY
 
 
 class Rank0DistributeStage(Stage):
@@ -31,8 +32,6 @@ class Rank0DistributeStage(Stage):
             return None
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        from ..memory.estimate import distribute_peak, layout, tensors_of_model
-
         tensors = tensors_of_model(ctx.model)
         load_bytes = max((t.file_itemsize for t in tensors if t.floating), default=4)
         lay = layout(tensors, world_size=ctx.world_size, load_bytes=load_bytes, mixed_precision=ctx.mixed_precision)
@@ -51,6 +50,9 @@ class Rank0DistributeStage(Stage):
         )
 
     def skip_reason(self, ctx: HookContext) -> str | None:
+        if ctx.scratch.get(IN_PLACE_KEY):  # set on every rank or on none
+            return ("every rank holds rank 0's bytes (unmodified views of one mapped checkpoint): `shard` kept each "
+                    "rank's own rows, nothing to send or read")
         if not ctx.scratch.get(PLACED_KEY):  # set on every rank or on none
             return "`meta_placement` did not move the weights to meta: they are already in place"
         return None

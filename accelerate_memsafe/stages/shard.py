@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
 from ..pipeline import HookContext, Stage, StageOutcome, ran
 
@@ -42,5 +44,6 @@ class ShardStage(Stage):
         )
         ctx.scratch["sharded"] = True
         n_params = sum(1 for _ in ctx.model.parameters())
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in ctx.model.parameters())
+        with torch.no_grad():  # DTensor.to_local() without autograd returns the local tensor as it is
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in ctx.model.parameters())
         return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size, **tp_details)

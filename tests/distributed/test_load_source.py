@@ -63,3 +63,71 @@ def test_every_rank_refuses_on_every_rank_when_a_rank_sees_another_checkpoint(sm
                            other_checkpoint_on=1, expect_failure=True, plugin_kwargs={"load_source": "every_rank"})
     for status, payload in results:
         assert status == "error" and "load_source='every_rank'" in payload and "rank 1: sees another checkpoint" in payload
+
+
+def _record(res, rank, stage):
+    return next(r for r in res["report"]["records"] if r["stage"] == stage and r["rank"] == rank)
+
+
+def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_checkpoint(small_llama_dir):
+    # transformers' zero-copy load on every rank: every rank's bytes are rank 0's, so fully_shard keeps each
+    # rank's own rows (as stock accelerate does); nothing goes to meta, nothing is read again or sent
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir),
+                           loader="hf", full=True, track=True, plugin_kwargs={"load_source": "auto"})
+    for rank, res in enumerate(results):
+        placement = _record(res, rank, "meta_placement")
+        assert placement["details"]["in_place"] is True and "not_in_place_because" not in placement["details"]
+        dist = _record(res, rank, "rank0_distribute")
+        assert dist["status"] == "skipped" and "unmodified views of one mapped checkpoint" in dist["reason"]
+        assert _record(res, rank, "buffer_init")["details"]["already_equal"] == 2  # inv_freq, original_inv_freq
+        assert res["differs_from_single_process"] == [], f"rank {rank}"
+        # fully_shard's padded shards are the largest allocations: no full-size copy of any weight
+        largest_shard = max(p["local"].numel() * p["local"].element_size() for p in res["params"].values())
+        assert max(a[2] for a in res["allocs"]) == largest_shard, f"rank {rank}"
+    assert results[0]["loss"] == results[1]["loss"] == results[0]["single_process_loss"]
+
+
+@pytest.mark.parametrize("edit_on", [0, 1])
+def test_an_edit_on_any_rank_stops_the_in_place_path_and_rank0s_model_wins(small_llama_dir, edit_on):
+    edited = "model.layers.0.mlp.up_proj.weight"
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir),
+                           loader="hf", full=True, edit=edited, edit_on=edit_on, plugin_kwargs={"load_source": "auto"})
+    for rank, res in enumerate(results):
+        placement = _record(res, rank, "meta_placement")["details"]
+        assert placement["in_place"] is False
+        # the edited weight and its neighbours on the pages the edit wrote; the other rank is not blamed
+        assert placement["not_in_place_because"].startswith(f"rank {edit_on}: ")
+        assert "weight(s) are not unmodified views" in placement["not_in_place_because"]
+        assert f"rank {1 - edit_on}" not in placement["not_in_place_because"]
+        # rank 0's edit reaches every rank; rank 1's own edit does not survive (rank 0's bytes are the truth)
+        assert res["differs_from_single_process"] == [], f"rank {rank} does not hold rank 0's model"
+        assert _record(res, rank, "rank0_distribute")["status"] == "ran"
+    assert results[0]["loss"] == results[1]["loss"]
+
+
+def test_mixed_precision_upcast_keeps_the_meta_path(tmp_path):
+    # accelerate would cast every bf16 weight to fp32 master weights: a private full copy on every rank; the meta
+    # path casts each rank's own rows only
+    import torch
+
+    from accelerate_memsafe.models import save_llama
+
+    path = save_llama(tmp_path / "bf16", "tiny", dtype=torch.bfloat16)
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(path), loader="hf",
+                           dtype="bfloat16", mixed_precision="bf16", plugin_kwargs={"load_source": "auto"})
+    for rank, res in enumerate(results):
+        placement = _record(res, rank, "meta_placement")["details"]
+        assert placement["in_place"] is False and "cast" in placement["not_in_place_because"]
+        assert {p["local"].dtype for p in res["params"].values()} == {torch.float32}
+
+
+def test_a_rank_that_maps_another_checkpoint_stops_the_in_place_path(small_llama_dir):
+    # rank 1 sees files with another identity (a node's own copy): its bytes are not proved to be rank 0's
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir),
+                           loader="hf", full=True, other_checkpoint_on=1, plugin_kwargs={"load_source": "auto"})
+    for rank, res in enumerate(results):
+        placement = _record(res, rank, "meta_placement")["details"]
+        assert placement["in_place"] is False
+        assert placement["not_in_place_because"] == "rank 1 maps another checkpoint or model than rank 0"
+        assert _record(res, rank, "rank0_distribute")["details"]["load_source"] == "rank0"
+        assert res["differs_from_single_process"] == [], f"rank {rank}"

@@ -93,3 +93,19 @@ def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str, shar
                                             for n, p in model.named_parameters())
     est = estimates[0] if estimates else None
     return {"message": message, "unchanged": unchanged, "cpu_estimate": est.cpu_bytes if est else None}
+
+
+def object_collectives(rank: int, world_size: int, *, sizes: list[int]) -> dict[str, Any]:
+    """``all_gather_object`` and ``broadcast_object`` of objects whose pickled sizes straddle the first
+    collective's buffer (each rank sends a different size), and how many collectives each took."""
+    from accelerate_memsafe.distributed.collectives import Collectives
+
+    coll = Collectives("test", timeout_s=60)
+    out: dict[str, Any] = {"gathered": [], "broadcast": [], "ops": []}
+    for n in sizes:
+        before = coll._count
+        mine = bytes([rank + 1]) * (n + 1000 * rank)  # different contents and sizes on every rank
+        out["gathered"].append(coll.all_gather_object(mine, what="test gather"))
+        out["broadcast"].append(coll.broadcast_object(mine if rank == 0 else None, src=0, what="test broadcast"))
+        out["ops"].append(coll._count - before)
+    return out

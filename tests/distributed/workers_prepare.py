@@ -125,14 +125,15 @@ def prepare_llama(
     parallelism: dict | None = None,
     full: bool = False,
     edit: str | None = None,
+    edit_on: int = 0,
     other_checkpoint_on: int | None = None,
     ranks_per_node: int | None = None,
 ) -> dict[str, Any]:
     """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
     what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
     ``ParallelismConfig`` sizes) and, with ``full``, each parameter's names whose full tensor differs from
-    a single-process ``from_pretrained`` of the same checkpoint (``edit``: a parameter rank 0 doubles in place
-    after loading, in the reference too; ``other_checkpoint_on``: a rank that sees another checkpoint
+    a single-process ``from_pretrained`` of the same checkpoint (``edit``: a parameter rank ``edit_on`` doubles in
+    place after loading, in the reference too when that is rank 0; ``other_checkpoint_on``: a rank that sees another checkpoint
     identity, as a node with its own copy of the files would; ``ranks_per_node``: the launcher's node index,
     ``GROUP_RANK``, as ``--num_machines`` would set it)."""
     from transformers import AutoModelForCausalLM
@@ -159,7 +160,7 @@ def prepare_llama(
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-    if edit and rank == 0:
+    if edit and rank == edit_on:
         with torch.no_grad():
             model.get_parameter(edit).mul_(2)  # in place: the address stays the file's, the bytes do not
     if other_checkpoint_on == rank:
@@ -204,7 +205,7 @@ def prepare_llama(
             ids = batch(reference_model.config.vocab_size)
             out["single_process_loss"] = reference_model(input_ids=ids, labels=ids).loss.float().item()
         reference = reference_model.state_dict()
-        if edit:
+        if edit and edit_on == 0:  # rank 0's model is the truth: another rank's edit is not
             reference[edit] = reference[edit] * 2
         out["differs_from_single_process"] = [n for n, p in model.named_parameters()
                                               if not torch.equal(p.full_tensor(), reference[n])]

@@ -1,0 +1,21 @@
+"""The object collectives the stages exchange metadata with: one round trip for what fits the first buffer,
+a second only for the bytes beyond it, the same objects back whatever their sizes."""
+
+from __future__ import annotations
+
+from accelerate_memsafe.distributed.collectives import OBJECT_FIRST_BYTES
+from tests.distributed import workers as w
+from tests.spawn import run_on_ranks
+
+
+def test_object_collectives_round_trip_objects_of_any_size():
+    small, edge, large = 10, OBJECT_FIRST_BYTES - 40, 3 * OBJECT_FIRST_BYTES
+    sizes = [small, edge, large]
+    results = run_on_ranks(w.object_collectives, 2, timeout=120, sizes=sizes)
+    for rank, res in enumerate(results):
+        for k, n in enumerate(sizes):
+            assert res["gathered"][k] == [bytes([r + 1]) * (n + 1000 * r) for r in range(2)], (rank, n)
+            assert res["broadcast"][k] == bytes([1]) * n, (rank, n)
+    # small: one all-gather + one broadcast; edge: rank 1's object (1000 bytes larger) no longer fits, so
+    # the gather takes a second round while rank 0's broadcast does not; large: two rounds each
+    assert results[0]["ops"] == results[1]["ops"] == [2, 3, 4]
