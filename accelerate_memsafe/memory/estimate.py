@@ -358,9 +358,9 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         return p2p and t.floating and lay.source_itemsize(t) == 2 and lay.itemsize(t) >= 4
 
     # p2p sends rank 0's own tensor (or the file's mapping) where it needs no cast or only a widening; the rest,
-    # and every row cut along dim 1, is copied into the ring (in the narrower dtype when it is widened later)
-    copied = [t for t in scattered if not p2p or (lay.source_itemsize(t) != lay.itemsize(t) and not narrow(t))
-              or (narrow(t) and cut(t))]
+    # and every row cut along dim 1 whatever its dtype (a dim-1 range is not contiguous: `rows_view` declines it), is
+    # copied into the ring (in the narrower dtype when it is widened later)
+    copied = [t for t in scattered if not p2p or cut(t) or (lay.source_itemsize(t) != lay.itemsize(t) and not narrow(t))]
     wire = {id(t): lay.source_itemsize(t) / lay.itemsize(t) for t in copied if narrow(t)}
     sent = n * sum(int(lay.block_bytes(t) * wire.get(id(t), 1)) for t in copied)
     buffers = piece = 0  # the ring or the receive buffers (on the collectives' device); the cast read (CPU)

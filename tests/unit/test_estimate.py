@@ -104,6 +104,11 @@ def test_predictions_follow_the_mechanisms():
                              bucket_bytes=bucket // 2))
     assert half[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * (budget // 2) * 3 // 4 // 2 + DISTRIBUTE_OVERHEAD
     assert half[("rank0_distribute", 1)].cpu_anon_bytes == shard + 2 * (budget // 2 // n) + DISTRIBUTE_OVERHEAD
+    # the same cut in fp32, no cast at all: a dim-1 range of a row is not contiguous, so it is copied into the ring
+    # too (in fp32 this time), whatever the dtypes; the receivers stage it the same way
+    cut32 = _by_stage(predict(s, num_processes=n, bucket_bytes=bucket // 2, load_source="rank0"))
+    assert cut32[("rank0_distribute", 0)].cpu_anon_bytes == shard + 3 * (budget // 2) * 3 // 4 + DISTRIBUTE_OVERHEAD
+    assert cut32[("rank0_distribute", 1)].cpu_anon_bytes == shard + 2 * (budget // 2 // n) + DISTRIBUTE_OVERHEAD
     # the other stages: fully_shard's bookkeeping, rank 0's pagemap scan of the mapped weights, nothing else
     assert auto[("shard", 2)].cpu_anon_bytes == FULLY_SHARD_OVERHEAD
     # (53 bytes per 4 KiB page of one scan window: 400 MiB are more than one window of 1 << 14 pages)
