@@ -70,6 +70,12 @@ def _sharded_and_replicated(model: nn.Module) -> tuple[list[_Sharded], list[tupl
     return sharded, replicated
 
 
+def p2p_transport(coll: Collectives, nodes: Any) -> bool:
+    """Whether the weights travel as point-to-point messages, one per piece (gloo: the collectives run on the
+    CPU), rather than one ``scatter`` per bucket (other backends); the ``node`` source has its own transport."""
+    return coll.device.type == "cpu" and nodes is None
+
+
 def follow_rank0_layout(
     sharded: list[_Sharded],
     replicated: list[tuple[str, nn.Module, str, torch.Tensor, bool]],
@@ -247,7 +253,7 @@ def distribute_from_rank0(
                 "(load them there, e.g. with `accelerate_memsafe.from_pretrained`)."
             )
     # gloo without nodes: one message per piece, narrower sources sent as they are (widened on receipt)
-    p2p = coll.device.type == "cpu" and nodes is None
+    p2p = p2p_transport(coll, nodes)
     wire = narrow_sources(sharded, source) if rank == 0 and p2p and problem is None else None
     sharded, replicated = follow_rank0_layout(sharded, replicated, coll, rank0_problem=problem, wire=wire)
     gather_boxes(sharded, coll)

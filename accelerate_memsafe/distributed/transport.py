@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +214,45 @@ class BufferRing:
             self._free.append(buf)
 
 
+def double_buffered(coll: Collectives, items: Iterable[Any], post: Callable[[Any], tuple],
+                    finish: Callable[[tuple], None]) -> None:
+    """Posts the transfer of item ``k + 1`` before finishing item ``k``, so that one transfer is on the wire while
+    the previous one completes (and its buffers are handed back).
+
+    Args:
+        coll: The stage's collectives.
+        items: What to transfer, in order (consumed lazily: a prefetcher bounds what is prepared ahead).
+        post: Issues one item's collective; returns what ``finish`` takes, the pending collective last.
+        finish: Waits for one posted item and does what follows it.
+
+    Raises:
+        Whatever ``post`` or ``finish`` raise, after abandoning every collective still on the wire (the process
+        group is marked out of step: :func:`~accelerate_memsafe.distributed.collectives.check_not_abandoned`).
+
+    Example:
+        >>> order = []
+        >>> double_buffered(None, [1, 2, 3], lambda i: order.append(f"post {i}") or (i, None),
+        ...                 lambda p: order.append(f"finish {p[0]}"))
+        >>> order
+        ['post 1', 'post 2', 'finish 1', 'post 3', 'finish 2', 'finish 3']
+    """
+    on_wire: list[tuple] = []
+    try:
+        for item in items:
+            on_wire.append(post(item))
+            del item
+            if len(on_wire) == 2:
+                finish(on_wire[0])
+                del on_wire[0]
+        while on_wire:
+            finish(on_wire[0])
+            del on_wire[0]
+    except BaseException:
+        for posted in on_wire:  # raising with transfers still on the wire
+            coll.abandon(posted[-1])
+        raise
+
+
 def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
                device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
     """Rank 0 scatters every bucket to all ranks, and broadcasts the replicated tensors.
@@ -266,27 +305,20 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             ring.give(flat)
             prefetcher.release()
 
-        sent = None  # double-buffered: bucket k + 1 is posted before bucket k is waited for
+        def post(produced: tuple) -> tuple:
+            bucket, (flat, slots, in_place) = produced
+            pending = coll.scatter_async(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
+            return bucket, flat, slots, in_place, pending
+
         try:
-            for bucket, (flat, slots, in_place) in zip(buckets, prefetcher):
-                pending = coll.scatter_async(slots[0], slots, src=0, what=f"scatter of bucket {bucket.index + 1}/{len(buckets)}")
-                if sent is not None:
-                    finish(sent)
-                sent = (bucket, flat, slots, in_place, pending)
-                del flat, slots
-            if sent is not None:
-                finish(sent)
-                sent = None
+            double_buffered(coll, zip(buckets, prefetcher), post, finish)
         finally:
-            if sent is not None:  # raising with a bucket still on the wire
-                coll.abandon(sent[4])
             bar.close()
             prefetcher.close()
     else:
         staging: list[torch.Tensor | None] = [None, None]  # two: one receiving while the other is unpacked
-        received = None
-        for bucket in buckets:
-            what = f"scatter of bucket {bucket.index + 1}/{len(buckets)}"
+
+        def receive(bucket: _Bucket) -> tuple:
             region = direct_region(bucket, rank, locals_, coll.device)
             buf = None
             if region is None:
@@ -294,16 +326,10 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
                 if staging[k] is None:
                     staging[k] = torch.empty(largest, dtype=torch.uint8, device=coll.device)
                 buf = staging[k][: bucket.slot_bytes]
-            pending = coll.scatter_async(region if buf is None else buf, None, src=0, what=what)
-            if received is not None:
-                try:
-                    _received(coll, rank, locals_, stats, *received)
-                except BaseException:
-                    coll.abandon(pending)
-                    raise
-            received = (bucket, buf, pending)
-        if received is not None:
-            _received(coll, rank, locals_, stats, *received)
+            what = f"scatter of bucket {bucket.index + 1}/{len(buckets)}"
+            return bucket, buf, coll.scatter_async(region if buf is None else buf, None, src=0, what=what)
+
+        double_buffered(coll, buckets, receive, lambda r: _received(coll, rank, locals_, stats, *r))
         del staging
 
     _send_replicated(replicated, source=source, coll=coll, budget=budget, device=device, stats=stats)
@@ -432,26 +458,19 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
                 ring.give(flat)
             prefetcher.release()
 
-        sent = None  # double-buffered: bucket k + 1 is posted before bucket k is waited for
+        def post(produced: tuple) -> tuple:
+            bucket, (flat, sends) = produced
+            return bucket, flat, sends, coll.exchange_async(sends, [], what=f"send of bucket {bucket.index + 1}/{len(buckets)}")
+
         try:
-            for bucket, (flat, sends) in zip(buckets, prefetcher):
-                pending = coll.exchange_async(sends, [], what=f"send of bucket {bucket.index + 1}/{len(buckets)}")
-                if sent is not None:
-                    finish(sent)
-                sent = (bucket, flat, sends, pending)
-                del flat, sends
-            if sent is not None:
-                finish(sent)
-                sent = None
+            double_buffered(coll, zip(buckets, prefetcher), post, finish)
         finally:
-            if sent is not None:  # raising with a bucket still on the wire
-                coll.abandon(sent[3])
             bar.close()
             prefetcher.close()
     else:
         staging: list[torch.Tensor | None] = [None, None]  # two: one receiving while the other is unpacked
-        received = None
-        for bucket in buckets:
+
+        def receive(bucket: _Bucket) -> tuple:
             recvs, staged = [], []
             for piece in bucket.pieces_of(rank):
                 region = _region(piece, locals_)
@@ -465,16 +484,9 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
                 raw = staging[k][piece.offset : piece.offset + nbytes]
                 recvs.append((0, raw))
                 staged.append((region, raw.view(dtype).view(piece.block_shape())))  # widened by the copy
-            pending = coll.exchange_async([], recvs, what=f"receive of bucket {bucket.index + 1}/{len(buckets)}")
-            if received is not None:
-                try:
-                    _landed(coll, stats, *received)
-                except BaseException:
-                    coll.abandon(pending)
-                    raise
-            received = (recvs, staged, pending)
-        if received is not None:
-            _landed(coll, stats, *received)
+            return recvs, staged, coll.exchange_async([], recvs, what=f"receive of bucket {bucket.index + 1}/{len(buckets)}")
+
+        double_buffered(coll, buckets, receive, lambda r: _landed(coll, stats, *r))
         del staging
     _send_replicated(replicated, source=source, coll=coll, budget=budget, device=device, stats=stats)
 

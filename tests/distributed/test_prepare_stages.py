@@ -107,6 +107,28 @@ def test_bf16_checkpoint_with_mixed_precision_and_small_buckets(tmp_path):
     assert rank1["details"]["bytes_received"] == shard_bytes // 2 == rec["details"]["bytes_sent"]
 
 
+@pytest.mark.parametrize("dtype,mixed_precision", [("float32", "no"), ("bfloat16", "bf16")])
+def test_scatter_transport_of_the_other_backends_over_gloo(tmp_path, dtype, mixed_precision):
+    # the transport NCCL and the other backends take (one scatter per bucket from a ring of reused buffers, rank 0's
+    # rows sent as they are where a whole slot is rows of its own tensor), run here over gloo: the same bits
+    from accelerate_memsafe.models import save_llama
+
+    path = save_llama(tmp_path / dtype, "tiny", dtype=getattr(torch, dtype))
+    results = run_on_ranks(
+        w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(path), dtype=dtype, transport="scatter",
+        mixed_precision=mixed_precision, plugin_kwargs={"bucket_bytes": 8 * 1024, "prefetch_buckets": 1, "load_source": "rank0"},
+    )
+    _assert_shards_equal(results, _reference(path, getattr(torch, dtype)).state_dict(), cast=torch.float32)
+    rec = [r for r in results[0]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 0][0]
+    assert rec["details"]["buckets"] > 5
+    rank1 = [r for r in results[1]["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == 1][0]
+    shard_bytes = sum(p["local"].numel() * p["local"].element_size() for p in results[1]["params"].values())
+    # every slot arrives whole, in the shard's dtype (a scatter does not narrow): the shard, plus alignment padding
+    assert shard_bytes <= rank1["details"]["bytes_received"] <= shard_bytes + 16 * len(results[1]["params"]) * rec["details"]["buckets"]
+    for res in results:
+        assert abs(res["loss"] - results[0]["loss"]) == 0
+
+
 def test_tied_embeddings_stay_tied_with_cpu_offload(tmp_path):
     from accelerate_memsafe.models import save_llama
 

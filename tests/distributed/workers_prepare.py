@@ -128,6 +128,7 @@ def prepare_llama(
     edit_on: int = 0,
     other_checkpoint_on: int | None = None,
     ranks_per_node: int | None = None,
+    transport: str = "auto",
 ) -> dict[str, Any]:
     """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
     what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
@@ -135,11 +136,16 @@ def prepare_llama(
     a single-process ``from_pretrained`` of the same checkpoint (``edit``: a parameter rank ``edit_on`` doubles in
     place after loading, in the reference too when that is rank 0; ``other_checkpoint_on``: a rank that sees another checkpoint
     identity, as a node with its own copy of the files would; ``ranks_per_node``: the launcher's node index,
-    ``GROUP_RANK``, as ``--num_machines`` would set it)."""
+    ``GROUP_RANK``, as ``--num_machines`` would set it; ``transport="scatter"``: one ``scatter`` per bucket, the
+    transport of the backends other than gloo, here over gloo)."""
     from transformers import AutoModelForCausalLM
 
     if ranks_per_node:
         os.environ["GROUP_RANK"] = str(rank // ranks_per_node)
+    if transport == "scatter":
+        from accelerate_memsafe.distributed import scatter
+
+        scatter.p2p_transport = lambda coll, nodes: False
 
     import accelerate_memsafe
     from accelerate_memsafe.memory.tracker import LiveTensorTracker
