@@ -294,16 +294,20 @@ def file_extents(tensors: Sequence[torch.Tensor]) -> list[FileExtent | None]:
 
 @functools.cache
 def libc():
-    """The C library with ``madvise``'s argument types set (loaded once), or ``None`` where there is none."""
-    name = ctypes.util.find_library("c")
-    if not name or os.name != "posix":
+    """The C library with ``madvise``'s argument types set (loaded once), or ``None`` where there is none: the
+    symbols this process already has (``dlopen(NULL)``, no lookup), else what ``find_library`` names (which runs
+    ``ldconfig -p`` in a subprocess, a millisecond or more). The package's one loader of it."""
+    if os.name != "posix":
         return None
-    try:
-        c = ctypes.CDLL(name, use_errno=True)
-        c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return c
-    except (OSError, AttributeError):
-        return None
+    for find in (lambda: None, lambda: ctypes.util.find_library("c")):
+        try:
+            name = find()
+            c = ctypes.CDLL(name, use_errno=True)
+            c.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            return c
+        except (OSError, AttributeError, TypeError):
+            continue
+    return None
 
 
 def release_mapped_pages(tensors: Iterable[torch.Tensor], ranges: list[tuple[int, int]] | None = None) -> int:

@@ -7,11 +7,10 @@ transformers 5.x loads weights as zero-copy views of a memory-mapped file.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 from dataclasses import dataclass
+
+from ..io.mapped_pages import libc as _c_library
 
 _STATUS = "/proc/self/status"
 
@@ -97,23 +96,11 @@ def reset_peak_rss() -> bool:
         return False
 
 
-@functools.cache
-def _libc():
-    # find_library runs `ldconfig -p` in a subprocess: once per process, not once per call.
-    name = ctypes.util.find_library("c")
-    if not name or os.name != "posix":
-        return None
-    try:
-        return ctypes.CDLL(name)
-    except OSError:
-        return None
-
-
 def malloc_trim() -> None:
     """Returns glibc's freed heap to the kernel so that RSS reflects what is really alive.
 
     A no-op where glibc is not the allocator.
     """
-    libc = _libc()
+    libc = _c_library()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
