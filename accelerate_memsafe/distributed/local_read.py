@@ -260,3 +260,36 @@ def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: s
             checkpoint.close()
         return InPlace(False, "; ".join(whys[:3]))
     return InPlace(False, "; ".join(whys[:3]), checkpoint, names if checkpoint is not None else set())
+
+
+class MappedParameterPages:
+    """On a rank whose weights stayed in place (:func:`agree_on_in_place`: every one proved an unmodified view of
+    the mapped checkpoint), drops from its RSS the file pages of each group's original parameters once
+    ``fully_shard`` has copied this rank's rows out of them (``madvise(MADV_DONTNEED)`` on a clean private file
+    mapping: the next access reads the file again, the same bytes). Stock accelerate keeps them resident until the
+    whole mapping is released at the end of ``prepare``; here the pages of at most one group's rows are resident
+    at a time beside the shards.
+
+    Example:
+        >>> pages = MappedParameterPages(nn.Linear(2, 2))  # anonymous memory: only called on proved mappings
+        >>> pages.bytes_dropped
+        0
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._by_module: dict[int, list[tuple[int, torch.Tensor]]] = {
+            id(mod): [(id(p), p.detach()) for p in mod._parameters.values() if p is not None] for mod in model.modules()
+        }
+        self._done: set[int] = set()
+        self.bytes_dropped = 0
+
+    def formed(self, modules: list[nn.Module]) -> None:
+        """``modules`` form an FSDP group now sharded: drop the pages of the parameters they held."""
+        from ..io.mapped_pages import drop_pages
+
+        for m in modules:
+            for sub in m.modules():
+                for key, t in self._by_module.pop(id(sub), ()):
+                    if key not in self._done:
+                        self._done.add(key)
+                        self.bytes_dropped += drop_pages(t)

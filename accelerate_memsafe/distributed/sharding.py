@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -243,6 +243,7 @@ def shard_model(
     parallelism_config: Any = None,
     is_main_process: bool = True,
     device: torch.device | None = None,
+    on_group: Callable[[list[torch.nn.Module]], None] | None = None,
 ) -> torch.nn.Module:
     """Applies ``fully_shard`` the way accelerate does and remaps the optimizers onto the DTensor params.
 
@@ -258,6 +259,8 @@ def shard_model(
         parallelism_config: accelerate's ``ParallelismConfig`` or ``None``.
         is_main_process: Whether this is rank 0 (for logging only).
         device: The training device.
+        on_group: Told of the modules of every FSDP group once ``fully_shard`` made it (the root's last, after
+            accelerate's call returned): their parameters are sharded by then.
 
     Returns:
         The sharded model (the same object, now an ``FSDPModule``).
@@ -280,7 +283,13 @@ def shard_model(
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
         drop_cache_under_checkpointing(model)
     groups = GroupFilter(model)
-    with _compat.filtered_fully_shard(model, groups.select, groups.formed):
+
+    def formed(modules: list[torch.nn.Module]) -> None:
+        groups.formed(modules)
+        if on_group is not None:
+            on_group(modules)
+
+    with _compat.filtered_fully_shard(model, groups.select, formed):
         model = _compat.fsdp2_wrap(
             model,
             fsdp_plugin=fsdp_plugin,
@@ -290,5 +299,7 @@ def shard_model(
             is_main_process=is_main_process,
             device=device or torch.device("cpu"),
         )
+    if on_group is not None:
+        on_group([model])
     remap_optimizer_params(optimizers, old, named_parameters_canonical(model))
     return model

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed.local_read import MappedParameterPages
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
 from ..pipeline import HookContext, Stage, StageOutcome, ran
+from .meta_placement import IN_PLACE_KEY
 
 
 class ShardStage(Stage):
@@ -32,6 +34,9 @@ class ShardStage(Stage):
             plan, tied, _ = resolve_tp_plan(ctx.model)
             tp_details = {"tp_size": tp, "tp_modules": len(plan), **({"tp_kept_replicated": tied} if tied else {})}
             ctx.scratch["tensor_parallel"] = True
+        # weights left in place (every one an unmodified view of the mapped checkpoint, on every rank): each group's
+        # file pages leave this rank's RSS once fully_shard has copied its rows
+        pages = MappedParameterPages(ctx.model) if ctx.scratch.get(IN_PLACE_KEY) else None
         ctx.model = shard_model(
             ctx.model,
             ctx.optimizers,
@@ -41,9 +46,11 @@ class ShardStage(Stage):
             parallelism_config=ctx.scratch.get("parallelism_config"),
             is_main_process=ctx.rank == 0,
             device=ctx.device,
+            on_group=pages.formed if pages is not None else None,
         )
         ctx.scratch["sharded"] = True
         n_params = sum(1 for _ in ctx.model.parameters())
         with torch.no_grad():  # DTensor.to_local() without autograd returns the local tensor as it is
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in ctx.model.parameters())
-        return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size, **tp_details)
+        dropped = {"file_pages_dropped_bytes": pages.bytes_dropped} if pages is not None else {}
+        return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size, **tp_details, **dropped)

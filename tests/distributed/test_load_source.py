@@ -80,6 +80,12 @@ def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_ch
         dist = _record(res, rank, "rank0_distribute")
         assert dist["status"] == "skipped" and "unmodified views of one mapped checkpoint" in dist["reason"]
         assert _record(res, rank, "buffer_init")["details"]["already_equal"] == 2  # inv_freq, original_inv_freq
+        # each group's file pages are dropped once fully_shard copied its rows: every weight's whole pages
+        import math
+
+        full = sum(4 * math.prod(s) for s in res["full_shapes"].values())
+        dropped = _record(res, rank, "shard")["details"]["file_pages_dropped_bytes"]
+        assert full - 2 * 4096 * len(res["full_shapes"]) <= dropped <= full, (dropped, full)
         assert res["differs_from_single_process"] == [], f"rank {rank}"
         # fully_shard's padded shards are the largest allocations: no full-size copy of any weight
         largest_shard = max(p["local"].numel() * p["local"].element_size() for p in res["params"].values())
