@@ -154,15 +154,16 @@ def _send_from_rank0(buffers: list, idxs: list[int], specs: list[tuple], coll: C
 
 def _gather_checks(buffers: list, coll: Collectives) -> list[torch.Tensor]:
     """Per rank, per buffer: ``[finite, checksum]`` (a buffer still on ``meta`` is ``[0, -1]``)."""
-    rows = []
-    for _, mod, local, _ in buffers:
-        t = mod._buffers[local]
-        if t.is_meta:
-            rows.append([0, -1])
-            continue
-        finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
-        rows.append([1 if finite else 0, _checksum(t)])
+    rows = [_check(mod._buffers[local]) for _, mod, local, _ in buffers]
     return coll.all_gather(torch.tensor(rows, dtype=torch.int64).view(-1, 2), what="checksum all-gather of non-persistent buffers")
+
+
+def _check(t: torch.Tensor) -> list[int]:
+    """``[finite, checksum]`` of one buffer (``[0, -1]`` for a buffer still on ``meta``)."""
+    if t.is_meta:
+        return [0, -1]
+    finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
+    return [1 if finite else 0, _checksum(t)]
 
 
 def _equal_everywhere(buffers: list, coll: Collectives) -> bool:
@@ -171,19 +172,10 @@ def _equal_everywhere(buffers: list, coll: Collectives) -> bool:
     ranks that hold different buffers never disagree on a collective's size."""
     import hashlib
 
-    rows = []
-    for fqn, mod, local, _ in buffers:
-        t = mod._buffers[local]
-        if t.is_meta:
-            rows = None
-            break
-        finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
-        if not finite:
-            rows = None
-            break
-        rows.append((fqn, tuple(t.shape), str(t.dtype), _checksum(t)))
+    rows = [(fqn, tuple(t.shape), str(t.dtype), *_check(t)) for fqn, mod, local, _ in buffers for t in (mod._buffers[local],)]
+    usable = all(finite for *_, finite, _ in rows)  # a buffer on meta is not finite either
     digest = int.from_bytes(hashlib.sha256(repr(rows).encode()).digest()[:7], "little")
-    mine = torch.tensor([len(buffers), digest, rows is not None], dtype=torch.int64)
+    mine = torch.tensor([len(buffers), digest, usable], dtype=torch.int64)
     gathered = coll.all_gather(mine, what="check of the non-persistent buffers against rank 0's")
     return all(bool(g[2]) and torch.equal(g, gathered[0]) for g in gathered)
 

@@ -66,7 +66,7 @@ class MetaPlacementStage(Stage):
         if ctx.rank != 0 and self.in_place_blocker(ctx) is not None:
             return None
         held = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.device.type == "cpu")
-        return MemoryEstimate(cpu_bytes=pagemap_scan_bytes(held), what="rank 0's pagemap scan of the weights it maps")
+        return MemoryEstimate(cpu_bytes=pagemap_scan_bytes(held), what="this rank's pagemap scan of the weights it maps")
 
     def in_place_blocker(self, ctx: HookContext) -> str | None:
         """Why the weights cannot stay in place whatever the ranks hold (the same on every rank: settings only),
