@@ -35,7 +35,9 @@ class BoundedPrefetcher:
     """Runs ``produce(bucket)`` for each bucket in a background thread, keeping at most ``max_alive``
     results alive (produced and not yet released by the consumer): a hard bound, unlike a queue size.
 
-    The thread re-enters the caller's dispatch modes so that a live-tensor tracker sees its allocations.
+    The thread re-enters the caller's dispatch modes so that a live-tensor tracker sees its allocations. A
+    ``chore`` handed over with :meth:`release` (e.g. dropping the pages of what was just sent) runs on the thread
+    before it produces the next result, off the consumer's critical path; :meth:`close` runs what is left.
 
     Example:
         >>> pf = BoundedPrefetcher(lambda b: b * 2, [1, 2, 3], max_alive=2)
@@ -51,6 +53,7 @@ class BoundedPrefetcher:
         self._items = items
         self._sem = threading.Semaphore(max_alive)
         self._queue: queue.Queue = queue.Queue()
+        self._chores: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._modes = _compat.current_dispatch_modes()
         self._thread = threading.Thread(target=self._run, name="memsafe-prefetch", daemon=True)
@@ -71,6 +74,7 @@ class BoundedPrefetcher:
                                 return
                         if self._stop.is_set():
                             return
+                        self._run_chores()
                         self._queue.put(("ok", self._produce(item)))
             except BaseException as exc:
                 self._queue.put(("error", exc))
@@ -83,13 +87,26 @@ class BoundedPrefetcher:
             yield value
             value = None
 
-    def release(self) -> None:
-        """Says the consumer dropped the last result it got (lets the thread produce the next one)."""
+    def _run_chores(self) -> None:
+        while True:
+            try:
+                chore = self._chores.get_nowait()
+            except queue.Empty:
+                return
+            chore()
+
+    def release(self, chore: Callable[[], None] | None = None) -> None:
+        """Says the consumer dropped the last result it got (lets the thread produce the next one); ``chore``
+        runs on the thread first."""
+        if chore is not None:
+            self._chores.put(chore)
         self._sem.release()
 
     def close(self) -> None:
+        """Stops the thread and runs the chores it did not get to, here."""
         self._stop.set()
         self._thread.join(timeout=30)
+        self._run_chores()
 
 
 @dataclass
@@ -214,6 +231,17 @@ class BufferRing:
             self._free.append(buf)
 
 
+def _after_send(source: Rank0Source, views: list[torch.Tensor], names: list[str]) -> Callable[[], None]:
+    """What follows a bucket's send on rank 0: drop the checkpoint pages ``views`` mapped to send them, then
+    release the sources of ``names`` (see :meth:`Rank0Source.sent` and :meth:`Rank0Source.release`)."""
+    def chore() -> None:
+        source.sent(views)
+        for name in names:
+            source.release(name)
+
+    return chore
+
+
 def double_buffered(coll: Collectives, items: Iterable[Any], post: Callable[[Any], tuple],
                     finish: Callable[[tuple], None]) -> None:
     """Posts the transfer of item ``k + 1`` before finishing item ``k``, so that one transfer is on the wire while
@@ -295,15 +323,14 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
         def finish(sent: tuple) -> None:
             bucket, flat, slots, in_place, pending = sent
             coll.finish(pending)
-            source.sent(slots[1:])  # the checkpoint's pages mapped to send them (_as_is)
             if not in_place:
                 unpack_slot(bucket, slots[0], rank, locals_)
-            for name in bucket.last_of:  # after the send: a piece may have been sent from the tensor itself
-                source.release(name)
             stats.bytes_sent += bucket.slot_bytes * (world - 1)
             bar.update(bucket.slot_bytes * world)
             ring.give(flat)
-            prefetcher.release()
+            # after the send, on the prefetch thread: the checkpoint's pages mapped to send them (_as_is), and
+            # the sources whose last piece this was (a piece may have been sent from the tensor itself)
+            prefetcher.release(chore=_after_send(source, slots[1:], bucket.last_of))
 
         def post(produced: tuple) -> tuple:
             bucket, (flat, slots, in_place) = produced
@@ -448,15 +475,13 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
         def finish(sent: tuple) -> None:
             bucket, flat, sends, pending = sent
             coll.finish(pending)
-            source.sent([t for _, t in sends])  # the checkpoint's pages it mapped to send them
-            for name in bucket.last_of:  # after the send: a piece was sent from the tensor itself
-                if name in viewed:
-                    source.release(name)
             stats.bytes_sent += sum(t.numel() for _, t in sends)
             bar.update(bucket.slot_bytes * world)
             if flat is not None:
                 ring.give(flat)
-            prefetcher.release()
+            # after the send, on the prefetch thread: the checkpoint's pages it mapped to send them, and the
+            # tensors a piece of which was sent as it is (the others were released once copied)
+            prefetcher.release(chore=_after_send(source, [t for _, t in sends], [n for n in bucket.last_of if n in viewed]))
 
         def post(produced: tuple) -> tuple:
             bucket, (flat, sends) = produced

@@ -19,3 +19,13 @@ def test_object_collectives_round_trip_objects_of_any_size():
     # small: one all-gather + one broadcast; edge: rank 1's object (1000 bytes larger) no longer fits, so
     # the gather takes a second round while rank 0's broadcast does not; large: two rounds each
     assert results[0]["ops"] == results[1]["ops"] == [2, 3, 4]
+
+
+def test_point_to_point_exchanges_are_waited_for_by_one_thread_in_order():
+    rounds = 40
+    results = run_on_ranks(w.exchanges_through_one_waiter, 2, timeout=120, rounds=rounds)
+    for rank, res in enumerate(results):
+        peer = 1 - rank
+        assert res["got"] == [[float(k * 10 + peer)] for k in range(rounds)], rank
+        # one waiter thread for the Collectives, not one started (and torn down) per exchange
+        assert res["waiters"] == 1, res["waiters"]

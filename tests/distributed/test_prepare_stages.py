@@ -82,6 +82,8 @@ def test_prepare_matches_unsharded_reference(tiny_llama_dir, loader, source):
     shard_bytes = sum(p["local"].numel() * p["local"].element_size() for p in results[1]["params"].values())
     padding = 16 * len(results[1]["params"])  # each piece starts 16-byte aligned in the bucket buffer
     assert shard_bytes <= rank1["details"]["bytes_received"] <= shard_bytes + padding, "rank 1 receives only its shard"
+    for res in results:  # the cyclic collector is paused while the ranks distribute, and restored after
+        assert res["gc_enabled_during_distribution"] == [False] and res["gc_enabled_after"] is True
 
 
 def test_bf16_checkpoint_with_mixed_precision_and_small_buckets(tmp_path):

@@ -109,3 +109,29 @@ def object_collectives(rank: int, world_size: int, *, sizes: list[int]) -> dict[
         out["broadcast"].append(coll.broadcast_object(mine if rank == 0 else None, src=0, what="test broadcast"))
         out["ops"].append(coll._count - before)
     return out
+
+
+def exchanges_through_one_waiter(rank: int, world_size: int, *, rounds: int) -> dict[str, Any]:
+    """``rounds`` point-to-point exchanges, two on the wire at a time, as the transport posts them: what arrived,
+    and how many waiter threads the process ran (one per :class:`Collectives`, not one per exchange)."""
+    import threading
+
+    import torch
+
+    from accelerate_memsafe.distributed.collectives import Collectives
+
+    coll = Collectives("test", timeout_s=60)
+    peer = 1 - rank
+    got, on_wire = [], []
+    for k in range(rounds):
+        out, inn = torch.full((1000,), float(k * 10 + rank)), torch.empty(1000)
+        on_wire.append((inn, coll.exchange_async([(peer, out)], [(peer, inn)], what=f"exchange {k}")))
+        if len(on_wire) == 2:
+            inn0, pending = on_wire.pop(0)
+            coll.finish(pending)
+            got.append(inn0.unique().tolist())
+    for inn0, pending in on_wire:
+        coll.finish(pending)
+        got.append(inn0.unique().tolist())
+    waiters = [t for t in threading.enumerate() if t.name == "memsafe-p2p-wait"]
+    return {"got": got, "waiters": len(waiters)}

@@ -195,6 +195,19 @@ def prepare_llama(
         real_release(self, name)
 
     Rank0Source.release = release
+    # whether Python's cyclic collector ran during the distribution (it must not: a full collection stalls every rank)
+    import gc
+
+    from accelerate_memsafe.stages import rank0_distribute as distribute_stage
+
+    gc_during: list[bool] = []
+    real_distribute = distribute_stage.distribute_from_rank0
+
+    def distribute(*args, **kwargs):
+        gc_during.append(gc.isenabled())
+        return real_distribute(*args, **kwargs)
+
+    distribute_stage.distribute_from_rank0 = distribute
     try:
         if tracker is not None:
             with tracker:
@@ -203,8 +216,10 @@ def prepare_llama(
             model, opt = acc.prepare(model, opt)
     finally:
         Rank0Source.release = real_release
+        distribute_stage.distribute_from_rank0 = real_distribute
     out = _describe(model)
     out["releases"] = releases
+    out["gc_enabled_during_distribution"], out["gc_enabled_after"] = gc_during, gc.isenabled()
     if full:  # every rank ends with rank 0's (here: the file's) weights, whatever the mesh
         reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         with torch.no_grad():

@@ -117,6 +117,24 @@ def test_prefetcher_hands_errors_to_the_consumer():
     pf.close()
 
 
+def test_prefetcher_runs_chores_on_its_thread_before_the_next_result_and_the_rest_at_close():
+    log = []
+
+    def produce(i):
+        log.append(("produce", i, threading.current_thread().name))
+        return i
+
+    pf = BoundedPrefetcher(produce, [0, 1, 2], max_alive=1)
+    for x in pf:
+        pf.release(chore=lambda x=x: log.append(("chore", x, threading.current_thread().name)))
+    pf.close()
+    assert [e[:2] for e in log] == [("produce", 0), ("chore", 0), ("produce", 1), ("chore", 1), ("produce", 2),
+                                    ("chore", 2)]
+    # the chores of results 0 and 1 ran on the prefetch thread; the last one, with nothing left to produce, here
+    assert [e[2] for e in log if e[0] == "chore"] == ["memsafe-prefetch", "memsafe-prefetch",
+                                                      threading.current_thread().name]
+
+
 def test_rank0_source_casts_per_row_range_and_releases():
     src = Rank0Source({"w": torch.arange(12, dtype=torch.bfloat16).view(6, 2)})
     out = torch.empty(2, 2, dtype=torch.float32)
