@@ -266,7 +266,8 @@ def gc_paused() -> Iterator[None]:
     still frees every tensor at once). A full collection walks every object of the process (a third of a second
     for a transformers model's 400 000 on a busy 2-core machine) and stalls every rank waiting on this one; it
     happens where the allocation counts say, not where it costs least. torchtitan pauses it for its training
-    loop likewise; here it runs, if it is due, in the caller's code after the stage.
+    loop likewise. The pipeline runs its stages under it (:meth:`~accelerate_memsafe.pipeline.Pipeline.run`):
+    a collection that falls due runs in the caller's code after the hook.
 
     Example:
         >>> import gc

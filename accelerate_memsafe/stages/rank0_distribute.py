@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.collectives import Collectives, gc_paused
+from ..distributed.collectives import Collectives
 from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless
 from ..distributed.scatter import distribute_from_rank0
 from ..distributed.topology import find_nodes
@@ -64,36 +64,35 @@ class Rank0DistributeStage(Stage):
         # memory probe, just before this call: the shards are not allocated on top of freed heap
         offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
         device = torch.device("cpu") if offload else ctx.device
-        with gc_paused():  # a full collection on one rank would stall every rank's transfer
-            coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
-            source = ctx.scratch.pop(SOURCE_KEY, None)
-            rank0_checkpoint = source.checkpoint if source is not None else None  # rank 0 only
-            mode = self.options.load_source
-            nodes = find_nodes(coll) if mode in ("auto", "node") else None
-            if mode == "rank0":
-                reads = LocalReads(None, set(), "rank0", "load_source='rank0'")
-            elif self.options.check_finite_weights:
-                reads = LocalReads(None, set(), "node" if mode == "node" else "rank0",
-                                   "check_finite_weights: rank 0 checks every weight while sending it")
-            else:
-                reads = agree_on_local_reads(coll, rank0_checkpoint, source.from_checkpoint if source is not None else set(),
-                                             mode=mode, nodes=nodes)
-            try:
-                stats = distribute_from_rank0(
-                    ctx.model,
-                    source,
-                    coll=coll,
-                    bucket_bytes=self.options.bucket_bytes,
-                    prefetch_buckets=self.options.prefetch_buckets,
-                    device=device,
-                    check_finite=self.options.check_finite_weights,
-                    progress=self.options.progress,
-                    local_source=reads.source,
-                    local_names=reads.names,
-                    nodes=nodes if reads.load_source == "node" else None,
-                )
-            finally:
-                close_unless(reads.source, rank0_checkpoint)
+        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        source = ctx.scratch.pop(SOURCE_KEY, None)
+        rank0_checkpoint = source.checkpoint if source is not None else None  # rank 0 only
+        mode = self.options.load_source
+        nodes = find_nodes(coll) if mode in ("auto", "node") else None
+        if mode == "rank0":
+            reads = LocalReads(None, set(), "rank0", "load_source='rank0'")
+        elif self.options.check_finite_weights:
+            reads = LocalReads(None, set(), "node" if mode == "node" else "rank0",
+                               "check_finite_weights: rank 0 checks every weight while sending it")
+        else:
+            reads = agree_on_local_reads(coll, rank0_checkpoint, source.from_checkpoint if source is not None else set(),
+                                         mode=mode, nodes=nodes)
+        try:
+            stats = distribute_from_rank0(
+                ctx.model,
+                source,
+                coll=coll,
+                bucket_bytes=self.options.bucket_bytes,
+                prefetch_buckets=self.options.prefetch_buckets,
+                device=device,
+                check_finite=self.options.check_finite_weights,
+                progress=self.options.progress,
+                local_source=reads.source,
+                local_names=reads.names,
+                nodes=nodes if reads.load_source == "node" else None,
+            )
+        finally:
+            close_unless(reads.source, rank0_checkpoint)
         source_used = reads.load_source
         if source_used == "every_rank" and (stats.bytes_sent or stats.bytes_received):
             source_used = "every_rank+rank0"
