@@ -108,7 +108,7 @@ class Rank0Source:
         """Drops the source of ``name`` once it has been sent; returns file-backed pages to the kernel, and
         private memory freed since the last time (e.g. fused MoE experts, built in memory by transformers) to
         it every :data:`TRIM_EVERY_BYTES` (glibc keeps freed heap below its dynamic mmap threshold)."""
-        with self._lock:  # the prefetch thread releases what it copied, the sending thread what it sent
+        with self._lock:  # the prefetch thread; at its close, the sending thread
             t = self.tensors.pop(name, None)
             for alias in self._aliases.pop(id(t), ()) if t is not None else ():
                 self.tensors.pop(alias, None)  # the other names of a tie: the tensor has been sent
