@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 #: The hook points, in the order a training run meets them.
 HOOKS = ("prepare", "load_state", "save_state", "save_model")
+#: ``ctx.scratch`` key of what every rank announced before the stages ran: stage name -> values in rank order.
+ANNOUNCED_KEY = "announced"
 
 
 @dataclass
@@ -88,6 +90,17 @@ class Stage:
         raise NotImplementedError
 
     def after(self, ctx: HookContext) -> StageOutcome | None:
+        return None
+
+    def announce(self, ctx: HookContext) -> Any:
+        """What this rank tells the others before any stage runs (a small picklable value; ``None``: nothing).
+
+        Called on every rank before the first stage, when the stage is enabled at the hook. Every rank's value
+        travels in the preflight's one exchange (with the memory estimates), and :meth:`run` finds them, in rank
+        order, in ``ctx.scratch[ANNOUNCED_KEY][self.name]`` (on one process: this rank's value alone). A stage that
+        needs every rank's view to decide (one plan, the same on every rank) saves its own collective this way. It
+        runs before :meth:`skip_reason`: a stage that may skip returns ``None`` when it will.
+        """
         return None
 
     def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
@@ -427,14 +440,20 @@ class Pipeline:
         return ctx.result
 
     def _preflight(self, ctx: HookContext) -> None:
-        """Checks every stage's estimate before any stage runs. The ranks exchange their estimates and
-        limits once, so every rank reaches the same verdict (one rank refusing never leaves the others
-        waiting in a collective), and ranks that share a CPU limit are checked against it together."""
+        """Checks every stage's estimate before any stage runs, and hands the stages what every rank announced
+        (:meth:`Stage.announce`). The ranks exchange their estimates, limits and announcements once, so every rank
+        reaches the same verdict (one rank refusing never leaves the others waiting in a collective), and ranks
+        that share a CPU limit are checked against it together. Whether the exchange happens depends on the stages
+        and the options only (the same on every rank), never on what a rank found."""
         options = ctx.options
-        if options is None or not getattr(options, "preflight_memory_check", False):
+        if options is None:
             return
-        stages = [s for s in self.stages.get(ctx.hook, ()) if type(s).estimate is not Stage.estimate]
-        if not stages:
+        hook_stages = self.stages.get(ctx.hook, ())
+        announcing = [s for s in hook_stages if type(s).announce is not Stage.announce]
+        announced = {s.name: s.announce(ctx) for s in announcing}
+        check = bool(getattr(options, "preflight_memory_check", False))
+        stages = [s for s in hook_stages if check and type(s).estimate is not Stage.estimate]
+        if not stages and not announcing:
             return
         estimates = {}
         for stage in stages:
@@ -442,10 +461,13 @@ class Pipeline:
             if est is not None:
                 estimates[stage.name] = est
         ctx.scratch.setdefault("estimates", {}).update(estimates)
+        ctx.scratch[ANNOUNCED_KEY] = {name: [value] for name, value in announced.items()}
         if not estimates and ctx.world_size == 1:
             return  # nothing to check (with peers, every rank still takes part in the exchange)
-        limit, dev_free = available_memory(ctx.device)
-        mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
+        mine = None
+        if stages:
+            limit, dev_free = available_memory(ctx.device)
+            mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
         budgets = [mine]
         import torch.distributed as dist
 
@@ -453,7 +475,12 @@ class Pipeline:
             from .distributed.collectives import Collectives
 
             coll = Collectives("preflight", timeout_s=options.collective_timeout_s)
-            budgets = coll.all_gather_object(mine, what="exchange of the preflight memory estimates")
+            everyone = coll.all_gather_object((mine, announced), what="exchange of the preflight memory estimates "
+                                              "and the stages' announcements")
+            budgets = [budget for budget, _ in everyone]
+            ctx.scratch[ANNOUNCED_KEY] = {name: [theirs[name] for _, theirs in everyone] for name in announced}
+        if not stages:
+            return
         from .env import launch_env
 
         problems = budget_problems(ctx.hook, budgets, local_world_size=launch_env().local_world_size)

@@ -182,7 +182,9 @@ class HookScope:
         try:
             self.store.set(f"{key}/{self.rank}", b"1")
             arrived = self.store.add(key, 1)
-            sleep = 1e-3
+            # the first polls come quickly (a store round trip is tens of microseconds): ranks usually arrive
+            # within a millisecond of each other, and a rank that waits longer backs off to one poll per 20 ms
+            sleep = 50e-6
             next_check = started + PEER_CHECK_INTERVAL_S
             while arrived < self.world_size:
                 now = time.monotonic()

@@ -227,6 +227,31 @@ def _in_place_token(model: nn.Module, rank: int, mixed_precision: str) -> tuple[
     return (os.path.abspath(checkpoint.path), checkpoint_identity(checkpoint), digest), None, (checkpoint, names)
 
 
+def in_place_claim(model: nn.Module, rank: int, *, mixed_precision: str) -> tuple[tuple[Any, str | None], Any]:
+    """This rank's side of :func:`agree_on_in_place`, before any exchange: ``(claim, local)``, where ``claim`` is
+    the small ``(token, why not)`` every rank sends and ``local`` what :func:`decide_in_place` needs of this rank
+    afterwards (its checkpoint and the names proved on it)."""
+    token, why, local = _in_place_token(model, rank, mixed_precision)
+    return (token, why), local
+
+
+def decide_in_place(everyone: list[tuple[Any, str | None]], rank: int, local: Any) -> InPlace:
+    """The decision of :func:`agree_on_in_place` from every rank's claim (in rank order), the same on every rank.
+    Closes this rank's checkpoint unless rank 0 keeps it for the rank-0 load."""
+    checkpoint, names = local
+    everyone = [c if c is not None else (None, f"rank {r} made no claim (other settings than rank 0's?)")
+                for r, c in enumerate(everyone)]
+    ref = everyone[0][0]
+    whys = [w for _, w in everyone if w]
+    if ref is not None:
+        whys += [f"rank {r} maps another checkpoint or model than rank 0" for r, (t, w) in enumerate(everyone) if not w and t != ref]
+    if not whys or rank != 0:
+        if checkpoint is not None:
+            checkpoint.close()
+        return InPlace(True) if not whys else InPlace(False, "; ".join(whys[:3]))
+    return InPlace(False, "; ".join(whys[:3]), checkpoint, names if checkpoint is not None else set())
+
+
 def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: str) -> InPlace:
     """Decides, identically on every rank, whether ``fully_shard`` may keep each rank's own rows of the model it
     holds (no weight to ``meta``, none read again or sent).
@@ -235,7 +260,8 @@ def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: s
     kernel's page record, :func:`~accelerate_memsafe.distributed.meta.checkpoint_source_names`, on each rank: an
     edit on any rank disqualifies), every rank sees the same files (:func:`checkpoint_identity`), the same names,
     shapes, dtypes and ``requires_grad`` flags, and no weight is cast to fp32 under mixed precision: then every
-    rank's bytes are rank 0's. One all-gather of a small token per rank.
+    rank's bytes are rank 0's. One all-gather of a small claim per rank (:func:`in_place_claim`, decided by
+    :func:`decide_in_place`; ``meta_placement`` sends its claim with the pipeline's preflight exchange instead).
 
     Args:
         coll: The stage's collectives.
@@ -245,21 +271,9 @@ def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: s
     Returns:
         The decision; on rank 0, when not in place, its checkpoint and proven names for the rank-0 load to reuse.
     """
-    token, why, (checkpoint, names) = _in_place_token(model, coll.rank, mixed_precision)
-    everyone = coll.all_gather_object((token, why), what="all_gather of whether every rank holds rank 0's mapped bytes")
-    ref = everyone[0][0]
-    whys = [w for _, w in everyone if w]
-    if ref is not None:
-        whys += [f"rank {r} maps another checkpoint or model than rank 0" for r, (t, w) in enumerate(everyone) if not w and t != ref]
-    if not whys:
-        if checkpoint is not None:
-            checkpoint.close()
-        return InPlace(True)
-    if coll.rank != 0:
-        if checkpoint is not None:
-            checkpoint.close()
-        return InPlace(False, "; ".join(whys[:3]))
-    return InPlace(False, "; ".join(whys[:3]), checkpoint, names if checkpoint is not None else set())
+    claim, local = in_place_claim(model, coll.rank, mixed_precision=mixed_precision)
+    everyone = coll.all_gather_object(claim, what="all_gather of whether every rank holds rank 0's mapped bytes")
+    return decide_in_place(everyone, coll.rank, local)
 
 
 class MappedParameterPages:

@@ -259,10 +259,11 @@ def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path:
     Returns:
         ``(SafetensorsSource or None, names)``.
     """
-    from ..io.mapped_pages import unmodified_file_pages
-    from ..io.safetensors_source import SafetensorsSource, file_backed_ranges, is_view_of_entry, mapped_checkpoint_dir
+    from ..io.mapped_pages import file_mappings_at, unmodified_file_pages
+    from ..io.safetensors_source import SafetensorsSource, is_view_of_entry, mapped_checkpoint_dir
 
-    maps = file_backed_ranges(".safetensors")
+    # the checkpoint mappings that hold these tensors (a few kernel queries, not the whole /proc/self/maps)
+    maps = file_mappings_at((t.data_ptr() for t in originals.values() if t.device.type == "cpu"), ".safetensors")
     if not checkpoint_path:  # a model transformers loaded zero-copy on this rank: its weights map the files
         checkpoint_path = mapped_checkpoint_dir(originals.values(), maps)
     if not checkpoint_path:

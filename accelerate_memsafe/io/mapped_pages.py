@@ -95,6 +95,87 @@ def file_mappings(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[
     return [m[:4] for m in _parse_maps(path_suffix, resolve=resolve)]
 
 
+class _ProcmapQuery(ctypes.Structure):
+    """``struct procmap_query`` of ``linux/fs.h`` (Linux >= 6.11)."""
+
+    _fields_ = [("size", ctypes.c_uint64), ("query_flags", ctypes.c_uint64), ("query_addr", ctypes.c_uint64),
+                ("vma_start", ctypes.c_uint64), ("vma_end", ctypes.c_uint64), ("vma_flags", ctypes.c_uint64),
+                ("vma_page_size", ctypes.c_uint64), ("vma_offset", ctypes.c_uint64), ("inode", ctypes.c_uint64),
+                ("dev_major", ctypes.c_uint32), ("dev_minor", ctypes.c_uint32), ("vma_name_size", ctypes.c_uint32),
+                ("build_id_size", ctypes.c_uint32), ("vma_name_addr", ctypes.c_uint64),
+                ("build_id_addr", ctypes.c_uint64)]
+
+
+#: ``_IOWR('f', 17, struct procmap_query)``; the query accepts only a VMA that is file-backed and covers the address.
+_PROCMAP_QUERY = (3 << 30) | (ctypes.sizeof(_ProcmapQuery) << 16) | (ord("f") << 8) | 17
+_PROCMAP_QUERY_FILE_BACKED_VMA = 0x20
+_MAPS_FD: dict[int, int | None] = {}  # pid -> the open /proc/self/maps for the query, None where it is refused
+
+
+def _query_mapping(fd: int, addr: int, name: ctypes.Array) -> tuple[int, int, int, int, str] | None | bool:
+    """``(start, end, offset, inode, name)`` of the file-backed mapping covering ``addr``; ``None`` when no
+    file-backed mapping covers it; ``False`` when the kernel has no ``PROCMAP_QUERY``."""
+    import errno
+    import fcntl
+
+    q = _ProcmapQuery(size=ctypes.sizeof(_ProcmapQuery), query_flags=_PROCMAP_QUERY_FILE_BACKED_VMA, query_addr=addr,
+                      vma_name_size=len(name), vma_name_addr=ctypes.addressof(name))
+    try:
+        fcntl.ioctl(fd, _PROCMAP_QUERY, q)
+    except OSError as exc:
+        return None if exc.errno == errno.ENOENT else False
+    return q.vma_start, q.vma_end, q.vma_offset, q.inode, name.value.decode("utf-8", "replace")
+
+
+def file_mappings_at(addresses: Iterable[int], path_suffix: str = "", *, resolve: bool = True
+                     ) -> list[tuple[int, int, int, str]]:
+    """The mappings of :func:`file_mappings` (regular files whose path ends with ``path_suffix``) that contain
+    at least one of ``addresses``, in the same form and order.
+
+    Asks the kernel for each mapping with one ``PROCMAP_QUERY`` ioctl (Linux >= 6.11: the addresses of a model's
+    weights mostly share a few mappings, so a few queries) instead of reading the whole ``/proc/self/maps``,
+    which the kernel writes out as text for every mapping of the process (about a millisecond for the thousand
+    mappings of a process with torch loaded). Where the ioctl is not available, it is :func:`file_mappings`
+    (every matching mapping: a superset that callers look addresses up in the same way).
+
+    Example:
+        >>> file_mappings_at([torch.ones(4).data_ptr()])  # anonymous memory maps no file
+        []
+    """
+    pid = os.getpid()
+    if pid not in _MAPS_FD:
+        try:
+            _MAPS_FD.clear()
+            _MAPS_FD[pid] = os.open(_MAPS, os.O_RDONLY)
+        except OSError:
+            _MAPS_FD[pid] = None
+    fd = _MAPS_FD[pid]
+    if fd is None:
+        return file_mappings(path_suffix, resolve=resolve)
+    name = ctypes.create_string_buffer(4096)
+    out: dict[int, tuple[int, int, int, str]] = {}
+    real: dict[str, str | None] = {}
+    lo = hi = 0  # the last mapping seen (matching or not): addresses inside it need no query
+    for addr in sorted(set(addresses)):
+        if lo <= addr < hi:
+            continue
+        got = _query_mapping(fd, addr, name)
+        if got is False:
+            _MAPS_FD[pid] = None
+            return file_mappings(path_suffix, resolve=resolve)
+        if got is None:
+            lo, hi = addr, addr + 1
+            continue
+        lo, hi, offset, _, path = got
+        if not path.startswith("/") or path.endswith("(deleted)") or not path.endswith(path_suffix):
+            continue
+        if path not in real:
+            real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
+        if real[path] is not None:
+            out[lo] = (lo, hi, offset, real[path])
+    return [out[k] for k in sorted(out)]
+
+
 def file_backed_ranges() -> list[tuple[int, int]]:
     """Address ranges of this process that map regular files (from ``/proc/self/maps``), sorted.
 
@@ -172,6 +253,84 @@ def _written_before(lo: int, hi: int, points: set[int]) -> dict[int, int] | None
     return out
 
 
+class _PageRegion(ctypes.Structure):
+    _fields_ = [("start", ctypes.c_uint64), ("end", ctypes.c_uint64), ("categories", ctypes.c_uint64)]
+
+
+class _PmScanArg(ctypes.Structure):
+    """``struct pm_scan_arg`` of ``linux/fs.h`` (``PAGEMAP_SCAN``, Linux >= 6.7)."""
+
+    _fields_ = [(n, ctypes.c_uint64) for n in ("size", "flags", "start", "end", "walk_end", "vec", "vec_len",
+                                               "max_pages", "category_inverted", "category_mask",
+                                               "category_anyof_mask", "return_mask")]
+
+
+_PAGEMAP_SCAN = (3 << 30) | (ctypes.sizeof(_PmScanArg) << 16) | (ord("f") << 8) | 16
+_PAGE_IS_FILE, _PAGE_IS_PRESENT, _PAGE_IS_SWAPPED = 1 << 2, 1 << 3, 1 << 4
+#: The two kinds of written page, as ``(category_inverted, category_mask)``: present and not a file page (a
+#: private copy-on-write copy), and swapped out (only private memory is swapped).
+_WRITTEN_KINDS = ((_PAGE_IS_FILE, _PAGE_IS_PRESENT | _PAGE_IS_FILE), (0, _PAGE_IS_SWAPPED))
+
+
+def _scan_written(lo: int, hi: int) -> list[tuple[int, int]] | None:
+    """The page ranges ``[first, last)`` of ``[lo, hi)`` (page numbers) that were written, as
+    :func:`_written_before` counts them, found by the kernel (``PAGEMAP_SCAN``: no entry of an unwritten page
+    is copied out, where the pagemap file gives 8 bytes for every page); ``None`` where the ioctl is refused."""
+    import fcntl
+
+    page = mmap.PAGESIZE
+    vec = (_PageRegion * 64)()
+    out: list[tuple[int, int]] = []
+    try:
+        fd = os.open(_PAGEMAP, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        for inverted, mask in _WRITTEN_KINDS:
+            start = lo * page
+            while start < hi * page:
+                arg = _PmScanArg(size=ctypes.sizeof(_PmScanArg), start=start, end=hi * page,
+                                 vec=ctypes.addressof(vec), vec_len=len(vec), category_inverted=inverted,
+                                 category_mask=mask, return_mask=mask)
+                n = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg)
+                out += [(vec[i].start // page, vec[i].end // page) for i in range(n)]
+                if arg.walk_end <= start:
+                    return None  # no progress: do not trust it
+                start = arg.walk_end
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return sorted(out)
+
+
+@functools.cache
+def _scan_reports_private_writes() -> bool:
+    """Whether ``PAGEMAP_SCAN`` works here and tells a written page of a private file mapping from a page that
+    is still the file's: checked once on a mapping of our own (a kernel without the ioctl, or one that would
+    report a written page as the file's, falls back to reading the pagemap)."""
+    import tempfile
+
+    page = mmap.PAGESIZE
+    try:
+        with tempfile.TemporaryFile() as f:
+            f.write(b"\1" * (3 * page))
+            f.flush()
+            mm = mmap.mmap(f.fileno(), 3 * page, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            view = (ctypes.c_char * (3 * page)).from_buffer(mm)
+            base = ctypes.addressof(view) // page
+            _ = mm[0], mm[2 * page]  # pages 0 and 2 read (the file's), page 1 written (a private copy)
+            mm[page] = 2
+            got = _scan_written(base, base + 3)
+            del view
+        finally:
+            mm.close()
+    except (OSError, ValueError, BufferError):
+        return False
+    return got == [(base + 1, base + 2)]
+
+
 def unmodified_file_pages(spans: Sequence[tuple[int, int]], maps: Sequence[tuple[int, int, int, str]] | None = None) -> list[bool]:
     """Whether each address range ``[begin, end)`` still holds exactly the bytes of the file it maps.
 
@@ -222,10 +381,17 @@ def unmodified_file_pages(spans: Sequence[tuple[int, int]], maps: Sequence[tuple
         nxt = pages[k + 1] if k + 1 < len(pages) else None
         if nxt is not None and nxt[0] <= run_end + _MERGE_GAP_PAGES:
             continue
-        seen = _written_before(run[0][0], run_end, {p for f, last, _ in run for p in (f, last)})
-        if seen is not None:
-            for f, last, i in run:
-                out[i] = seen[last] == seen[f]
+        written = _scan_written(run[0][0], run_end) if _scan_reports_private_writes() else None
+        if written is not None:  # the kernel's list of written page ranges (usually none)
+            ends = [b for _, b in written]
+            for f, last, i in run:  # the first written range ending after f must start at or after last
+                k = bisect.bisect_right(ends, f)
+                out[i] = k == len(written) or written[k][0] >= last
+        else:
+            seen = _written_before(run[0][0], run_end, {p for f, last, _ in run for p in (f, last)})
+            if seen is not None:
+                for f, last, i in run:
+                    out[i] = seen[last] == seen[f]
         run, run_end = [], 0
     return out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ..distributed.sharding import fsdp2_prepare_skip_reason
 from ..distributed.collectives import Collectives
-from ..distributed.local_read import agree_on_in_place
+from ..distributed.local_read import agree_on_in_place, decide_in_place, in_place_claim
 from ..distributed.meta import (
     agree_on_structure,
     checkpoint_source_names,
@@ -28,7 +28,7 @@ from ..distributed.meta import (
 )
 from ..distributed.source import Rank0Source
 from ..memory.estimate import pagemap_scan_bytes
-from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran
+from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageOutcome, ran
 
 #: ``ctx.scratch`` key of rank 0's weight source (``Rank0Source``); ``None`` on other ranks.
 SOURCE_KEY = "rank0_source"
@@ -36,6 +36,8 @@ SOURCE_KEY = "rank0_source"
 PLACED_KEY = "meta_placed"
 #: ``ctx.scratch`` key set on every rank when every rank's weights were left in place (rank 0's bytes already).
 IN_PLACE_KEY = "weights_in_place"
+#: ``ctx.scratch`` key of this rank's side of the in-place claim it announced (its checkpoint and proved names).
+_CLAIM_KEY = "in_place_claim"
 
 
 class MetaPlacementStage(Stage):
@@ -81,10 +83,25 @@ class MetaPlacementStage(Stage):
             return "tensor parallelism: its plan is applied on meta"
         return None
 
+    def announce(self, ctx: HookContext):
+        """This rank's in-place claim (:func:`~accelerate_memsafe.distributed.local_read.in_place_claim`), sent with
+        the preflight exchange, so that deciding whether the weights stay in place costs no collective of its own;
+        ``None`` when the stage will skip or the settings rule the in-place path out (the same on every rank)."""
+        if self.skip_reason(ctx) is not None or self.in_place_blocker(ctx) is not None:
+            return None
+        claim, ctx.scratch[_CLAIM_KEY] = in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
+        return claim
+
     def run(self, ctx: HookContext) -> StageOutcome:
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         blocker = self.in_place_blocker(ctx)
-        decision = None if blocker else agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
+        claims = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
+        if blocker:
+            decision = None
+        elif claims is not None and len(claims) == ctx.world_size and _CLAIM_KEY in ctx.scratch:
+            decision = decide_in_place(claims, ctx.rank, ctx.scratch.pop(_CLAIM_KEY))
+        else:  # run outside a pipeline's preflight: the ranks exchange their claims here
+            decision = agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
         if decision is not None and decision.in_place:
             ctx.scratch[IN_PLACE_KEY] = True
             return ran(in_place=True, tensors=len({id(p) for p in ctx.model.parameters()}))

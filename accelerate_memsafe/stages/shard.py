@@ -34,9 +34,10 @@ class ShardStage(Stage):
             plan, tied, _ = resolve_tp_plan(ctx.model)
             tp_details = {"tp_size": tp, "tp_modules": len(plan), **({"tp_kept_replicated": tied} if tied else {})}
             ctx.scratch["tensor_parallel"] = True
-        # weights left in place (every one an unmodified view of the mapped checkpoint, on every rank): each group's
-        # file pages leave this rank's RSS once fully_shard has copied its rows
-        pages = MappedParameterPages(ctx.model) if ctx.scratch.get(IN_PLACE_KEY) else None
+        # weights left in place (every one an unmodified view of the mapped checkpoint, on every rank): with
+        # `drop_file_pages`, each group's file pages leave this rank's RSS once fully_shard has copied its rows
+        in_place = bool(ctx.scratch.get(IN_PLACE_KEY))
+        pages = MappedParameterPages(ctx.model) if in_place and self.options.drop_file_pages else None
         ctx.model = shard_model(
             ctx.model,
             ctx.optimizers,

@@ -3,6 +3,8 @@ a second only for the bytes beyond it, the same objects back whatever their size
 
 from __future__ import annotations
 
+import pytest
+
 from accelerate_memsafe.distributed.collectives import OBJECT_FIRST_BYTES
 from tests.distributed import workers as w
 from tests.spawn import run_on_ranks
@@ -29,3 +31,15 @@ def test_point_to_point_exchanges_are_waited_for_by_one_thread_in_order():
         assert res["got"] == [[float(k * 10 + peer)] for k in range(rounds)], rank
         # one waiter thread for the Collectives, not one started (and torn down) per exchange
         assert res["waiters"] == 1, res["waiters"]
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["preflight_check", "no_preflight_check"])
+def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchange(check):
+    # a stage that needs every rank's view (meta_placement's in-place claim) gets it from the preflight's exchange,
+    # not from a collective of its own; without the memory check, the exchange still carries the announcements
+    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=check)
+    for res in results:
+        assert res["announced"] == [{"value": 0}, {"value": 10}]
+        assert len(res["collectives"]) == 1, res["collectives"]  # small objects: one all-gather, no second part
+        assert "announcements" in res["collectives"][0]
+        assert res["estimates"] == (["announcing"] if check else [])

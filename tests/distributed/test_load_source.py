@@ -69,23 +69,28 @@ def _record(res, rank, stage):
     return next(r for r in res["report"]["records"] if r["stage"] == stage and r["rank"] == rank)
 
 
-def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_checkpoint(small_llama_dir):
+@pytest.mark.parametrize("drop", [False, True], ids=["default", "drop_file_pages"])
+def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_checkpoint(small_llama_dir, drop):
     # transformers' zero-copy load on every rank: every rank's bytes are rank 0's, so fully_shard keeps each
     # rank's own rows (as stock accelerate does); nothing goes to meta, nothing is read again or sent
     results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir),
-                           loader="hf", full=True, track=True, plugin_kwargs={"load_source": "auto"})
+                           loader="hf", full=True, track=True,
+                           plugin_kwargs={"load_source": "auto", "drop_file_pages": drop})
     for rank, res in enumerate(results):
         placement = _record(res, rank, "meta_placement")
         assert placement["details"]["in_place"] is True and "not_in_place_because" not in placement["details"]
         dist = _record(res, rank, "rank0_distribute")
         assert dist["status"] == "skipped" and "unmodified views of one mapped checkpoint" in dist["reason"]
         assert _record(res, rank, "buffer_init")["details"]["already_equal"] == 2  # inv_freq, original_inv_freq
-        # each group's file pages are dropped once fully_shard copied its rows: every weight's whole pages
-        import math
+        shard = _record(res, rank, "shard")["details"]
+        if drop:  # each group's file pages are dropped once fully_shard copied its rows: every weight's whole pages
+            import math
 
-        full = sum(4 * math.prod(s) for s in res["full_shapes"].values())
-        dropped = _record(res, rank, "shard")["details"]["file_pages_dropped_bytes"]
-        assert full - 2 * 4096 * len(res["full_shapes"]) <= dropped <= full, (dropped, full)
+            full = sum(4 * math.prod(s) for s in res["full_shapes"].values())
+            dropped = shard["file_pages_dropped_bytes"]
+            assert full - 2 * 4096 * len(res["full_shapes"]) <= dropped <= full, (dropped, full)
+        else:  # the default keeps them mapped, as stock accelerate does
+            assert "file_pages_dropped_bytes" not in shard, shard
         assert res["differs_from_single_process"] == [], f"rank {rank}"
         # fully_shard's padded shards are the largest allocations: no full-size copy of any weight
         largest_shard = max(p["local"].numel() * p["local"].element_size() for p in res["params"].values())

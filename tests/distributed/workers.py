@@ -135,3 +135,45 @@ def exchanges_through_one_waiter(rank: int, world_size: int, *, rounds: int) -> 
         got.append(inn0.unique().tolist())
     waiters = [t for t in threading.enumerate() if t.name == "memsafe-p2p-wait"]
     return {"got": got, "waiters": len(waiters)}
+
+
+def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool) -> dict[str, Any]:
+    """A pipeline whose stage announces ``rank * 10`` and estimates a small need: what the stage saw of every
+    rank's announcement, and how many collectives the preflight issued (one exchange for both)."""
+    import torch
+
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.distributed import collectives
+    from accelerate_memsafe.memory.report import MemoryReport
+    from accelerate_memsafe.pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Pipeline, Stage, ran
+
+    seen: dict[str, Any] = {}
+
+    class Announcing(Stage):
+        name, hooks = "announcing", ("save_state",)
+
+        def announce(self, ctx):
+            return {"value": ctx.rank * 10}
+
+        def estimate(self, ctx):
+            return MemoryEstimate(cpu_bytes=1 << 20, what="a small need")
+
+        def run(self, ctx):
+            seen["announced"] = ctx.scratch[ANNOUNCED_KEY]["announcing"]
+            return ran()
+
+    calls = []
+    real = collectives.Collectives.all_gather
+
+    def counting(self, tensor, *, what="all_gather"):
+        calls.append(what)
+        return real(self, tensor, what=what)
+
+    collectives.Collectives.all_gather = counting
+    try:
+        ctx = HookContext(hook="save_state", rank=rank, world_size=world_size, device=torch.device("cpu"),
+                          options=MemSafePlugin(stages=["shard"], preflight_memory_check=check))
+        Pipeline({"save_state": (Announcing(ctx.options),)}, MemoryReport()).run(ctx, lambda c: None)
+    finally:
+        collectives.Collectives.all_gather = real
+    return {"announced": seen["announced"], "collectives": calls, "estimates": sorted(ctx.scratch.get("estimates", {}))}

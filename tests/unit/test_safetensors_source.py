@@ -180,3 +180,30 @@ def test_rank0_sends_checkpoint_rows_from_a_mapping_and_drops_its_pages_once_sen
     del view, mine
     src.close()
     assert mapping.closed  # no view left: close() unmaps the file
+
+
+@pytest.mark.parametrize("ioctl", [True, False], ids=["procmap_query", "maps_file"])
+def test_the_mappings_at_some_addresses_are_those_of_the_whole_maps_file_that_hold_them(tmp_path, monkeypatch, ioctl):
+    # meta_placement asks the kernel for the few mappings its weights lie in (PROCMAP_QUERY) instead of reading
+    # all of /proc/self/maps: the same tuples, for every address asked about, and nothing for anonymous memory
+    import mmap
+
+    from accelerate_memsafe.io import mapped_pages
+
+    if not ioctl:  # a kernel without the ioctl: the answer comes from the maps file
+        monkeypatch.setattr(mapped_pages, "_query_mapping", lambda fd, addr, name: False)
+        monkeypatch.setattr(mapped_pages, "_MAPS_FD", {})
+    views = {}
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.arange(8192.0)}, str(tmp_path / name / "model.safetensors"))
+        with open(tmp_path / name / "model.safetensors", "rb") as fh:
+            views[name] = torch.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
+    everything = mapped_pages.file_mappings(".safetensors")
+    asked = [views["a"].data_ptr() + 5000, views["a"].data_ptr(), views["c"].data_ptr() + 100, torch.ones(8).data_ptr()]
+    got = mapped_pages.file_mappings_at(asked, ".safetensors")
+    holding = [m for m in everything if any(m[0] <= a < m[1] for a in asked)]
+    assert got == holding if ioctl else got == everything
+    assert {m[3] for m in holding} == {str((tmp_path / n / "model.safetensors").resolve()) for n in ("a", "c")}
+    assert mapped_pages.file_mappings_at([torch.ones(8).data_ptr()], ".safetensors") == ([] if ioctl else everything)
+    assert mapped_pages.file_mappings_at([views["b"].data_ptr()], ".json") == ([] if ioctl else mapped_pages.file_mappings(".json"))

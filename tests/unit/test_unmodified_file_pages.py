@@ -18,6 +18,17 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pa
 PAGE = mmap.PAGESIZE
 
 
+@pytest.fixture(autouse=True, params=["pagemap_scan", "pagemap_file"])
+def reader(request, monkeypatch):
+    """Every test runs on both ways of reading the page records: the kernel's ``PAGEMAP_SCAN`` list of written
+    pages (where it works) and the pagemap file's entry per page (older kernels)."""
+    if request.param == "pagemap_file":
+        monkeypatch.setattr(mapped_pages, "_scan_reports_private_writes", lambda: False)
+    elif not mapped_pages._scan_reports_private_writes():
+        pytest.skip("this kernel has no working PAGEMAP_SCAN")
+    return request.param
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
@@ -111,9 +122,11 @@ def test_checkpoint_source_names_skips_tensors_written_in_place(tiny_llama_dir):
     source.close()
 
 
-def test_the_scan_holds_one_window_of_entries_at_a_time(mapped, monkeypatch):
+def test_the_scan_holds_one_window_of_entries_at_a_time(mapped, monkeypatch, reader):
     """The pagemap of a large mapping is read and reduced a window at a time (bounded memory, not 33 bytes per
     page of the whole checkpoint), with the same verdicts: a write counted across window edges."""
+    if reader != "pagemap_file":
+        pytest.skip("the pagemap file's reader only (the kernel's scan copies out only the written ranges)")
     per_page = PAGE // 4
     big = mapped[4 * per_page : 36 * per_page]
     left = mapped[1 * per_page + 7 : 4 * per_page + 5]
@@ -129,3 +142,20 @@ def test_the_scan_holds_one_window_of_entries_at_a_time(mapped, monkeypatch):
     monkeypatch.setattr(mapped_pages, "_pagemap_entries", lambda a, b: reads.append(b - a) or real(a, b))
     assert unmodified_file_pages(spans) == whole
     assert reads and max(reads) <= 3 and sum(reads) >= 64
+
+
+def test_the_kernels_scan_and_the_pagemap_file_find_the_same_written_pages(mapped, reader):
+    if reader != "pagemap_scan":
+        pytest.skip("compares the two readers")
+    per_page = PAGE // 4
+    g = torch.Generator().manual_seed(3)
+    _ = float(mapped[: 20 * per_page].sum())  # some pages read (the file's), the rest never touched
+    written = sorted(set(torch.randint(0, 64, (12,), generator=g).tolist()))
+    for p in written:
+        mapped[p * per_page + 5] = -1.0
+    base = mapped.data_ptr() // PAGE
+    ranges = mapped_pages._scan_written(base, base + 64)
+    pages = sorted(p - base for a, b in ranges for p in range(a, b))
+    assert pages == written
+    counts = mapped_pages._written_before(base, base + 64, set(range(base, base + 65)))
+    assert [counts[base + k + 1] - counts[base + k] for k in range(64)] == [int(k in written) for k in range(64)]
