@@ -43,6 +43,17 @@ _MERGE_GAP_PAGES = 1 << 14
 SCAN_WINDOW_PAGES = 1 << 14
 
 
+def _regular_file(path: str, real: dict[str, str | None], *, resolve: bool) -> str | None:
+    """The path of a mapping's file as callers get it (through ``os.path.realpath`` with ``resolve``), or ``None``
+    for what is not a regular file that exists: ``[heap]``, anonymous or deleted files, device files. ``real``
+    caches the answer per path (one stat per file, not per mapping: a ``.so`` has several)."""
+    if not path.startswith("/") or path.endswith("(deleted)"):
+        return None
+    if path not in real:
+        real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
+    return real[path]
+
+
 def _parse_maps(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[int, int, int, str, int]]:
     """``(start, end, file_offset, path, inode)`` of the regular-file mappings (see :func:`file_mappings`)."""
     out = []
@@ -58,15 +69,11 @@ def _parse_maps(path_suffix: str = "", *, resolve: bool = True) -> list[tuple[in
             parts = raw.decode("utf-8", "replace").split(maxsplit=5)
             if len(parts) < 6:
                 continue  # anonymous mapping
-            path = parts[5]
-            if not path.startswith("/") or path.endswith("(deleted)"):
-                continue
-            if path not in real:
-                real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
-            if real[path] is None:
+            path = _regular_file(parts[5], real, resolve=resolve)
+            if path is None:
                 continue
             start, _, end = parts[0].partition("-")
-            out.append((int(start, 16), int(end, 16), int(parts[2], 16), real[path], int(parts[4])))
+            out.append((int(start, 16), int(end, 16), int(parts[2], 16), path, int(parts[4])))
     except (OSError, ValueError):
         return []
     out.sort()
@@ -112,8 +119,8 @@ _PROCMAP_QUERY_FILE_BACKED_VMA = 0x20
 _MAPS_FD: dict[int, int | None] = {}  # pid -> the open /proc/self/maps for the query, None where it is refused
 
 
-def _query_mapping(fd: int, addr: int, name: ctypes.Array) -> tuple[int, int, int, int, str] | None | bool:
-    """``(start, end, offset, inode, name)`` of the file-backed mapping covering ``addr``; ``None`` when no
+def _query_mapping(fd: int, addr: int, name: ctypes.Array) -> tuple[int, int, int, str] | None | bool:
+    """``(start, end, offset, name)`` of the file-backed mapping covering ``addr``; ``None`` when no
     file-backed mapping covers it; ``False`` when the kernel has no ``PROCMAP_QUERY``."""
     import errno
     import fcntl
@@ -124,7 +131,7 @@ def _query_mapping(fd: int, addr: int, name: ctypes.Array) -> tuple[int, int, in
         fcntl.ioctl(fd, _PROCMAP_QUERY, q)
     except OSError as exc:
         return None if exc.errno == errno.ENOENT else False
-    return q.vma_start, q.vma_end, q.vma_offset, q.inode, name.value.decode("utf-8", "replace")
+    return q.vma_start, q.vma_end, q.vma_offset, name.value.decode("utf-8", "replace")
 
 
 def file_mappings_at(addresses: Iterable[int], path_suffix: str = "", *, resolve: bool = True
@@ -166,13 +173,10 @@ def file_mappings_at(addresses: Iterable[int], path_suffix: str = "", *, resolve
         if got is None:
             lo, hi = addr, addr + 1
             continue
-        lo, hi, offset, _, path = got
-        if not path.startswith("/") or path.endswith("(deleted)") or not path.endswith(path_suffix):
-            continue
-        if path not in real:
-            real[path] = (os.path.realpath(path) if resolve else path) if os.path.isfile(path) else None
-        if real[path] is not None:
-            out[lo] = (lo, hi, offset, real[path])
+        lo, hi, offset, path = got
+        path = _regular_file(path, real, resolve=resolve) if path.endswith(path_suffix) else None
+        if path is not None:
+            out[lo] = (lo, hi, offset, path)
     return [out[k] for k in sorted(out)]
 
 
