@@ -355,35 +355,28 @@ class SafetensorsSource:
             pass
 
 
-def file_backed_ranges(path_suffix: str = ".safetensors") -> list[tuple[int, int, int, str]]:
-    """The mappings of regular files in this process whose path ends with ``path_suffix``.
-
-    Returns:
-        ``(start, end, file_offset, path)`` per mapping (empty where ``/proc`` is unavailable); see
-        :func:`accelerate_memsafe.io.mapped_pages.file_mappings`.
-    """
-    from .mapped_pages import file_mappings
-
-    return file_mappings(path_suffix)
-
-
 def mapped_checkpoint_dir(tensors: Iterable[torch.Tensor], maps: list[tuple[int, int, int, str]] | None = None) -> str | None:
     """The checkpoint directory whose safetensors files ``tensors`` are memory-mapped views of, when they all
     come from one directory holding ``model.safetensors`` or its index (a model transformers loaded zero-copy);
     ``None`` otherwise (no view of a mapped file, or files of several directories).
 
+    ``maps``: the process's ``.safetensors`` mappings (``None``: only those at the tensors' addresses, asked of
+    the kernel with :func:`~accelerate_memsafe.io.mapped_pages.file_mappings_at`).
+
     Example:
         >>> mapped_checkpoint_dir([torch.ones(4)]) is None  # anonymous memory maps no file
         True
     """
-    maps = file_backed_ranges(".safetensors") if maps is None else maps
+    tensors = [t for t in tensors if t.device.type == "cpu" and t.numel()]
+    if maps is None:
+        from .mapped_pages import file_mappings_at
+
+        maps = file_mappings_at((t.data_ptr() for t in tensors), ".safetensors")
     if not maps:
         return None
     starts = [lo for lo, _, _, _ in maps]
     dirs = set()
     for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
         k = bisect.bisect_right(starts, t.data_ptr()) - 1
         if k >= 0 and t.data_ptr() < maps[k][1]:
             dirs.add(os.path.dirname(maps[k][3]))

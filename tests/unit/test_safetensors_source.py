@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from accelerate_memsafe import CheckpointError
-from accelerate_memsafe.io.safetensors_source import SafetensorsSource, file_backed_ranges, is_view_of_entry
+from accelerate_memsafe.io.mapped_pages import file_mappings
+from accelerate_memsafe.io.safetensors_source import SafetensorsSource, is_view_of_entry
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_detects_zero_copy_views_of_the_file(tiny_llama_dir):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
     src = SafetensorsSource(tiny_llama_dir)
-    maps = file_backed_ranges(".safetensors")
+    maps = file_mappings(".safetensors")
     w = model.model.embed_tokens.weight
     assert is_view_of_entry(w.detach(), src.entries["model.embed_tokens.weight"], maps)
     assert not is_view_of_entry(w.detach().clone(), src.entries["model.embed_tokens.weight"], maps)
@@ -103,7 +104,7 @@ def test_the_checkpoint_directory_is_found_from_the_mapping_of_a_zero_copy_load(
     # transformers' own from_pretrained maps the files: rank 0's source finds the checkpoint from its weights,
     # so every_rank also serves models not loaded through accelerate_memsafe.from_pretrained
     from safetensors.torch import load_file, save_file
-    from accelerate_memsafe.io.safetensors_source import file_backed_ranges, mapped_checkpoint_dir
+    from accelerate_memsafe.io.safetensors_source import mapped_checkpoint_dir
 
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
@@ -114,11 +115,15 @@ def test_the_checkpoint_directory_is_found_from_the_mapping_of_a_zero_copy_load(
     for name in ("a", "b"):
         with open(tmp_path / name / "model.safetensors", "rb") as fh:  # the mapping outlives the descriptor
             views[name] = torch.frombuffer(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY), dtype=torch.uint8)
-    maps = file_backed_ranges(".safetensors")
+    maps = file_mappings(".safetensors")
     assert mapped_checkpoint_dir([views["a"]], maps) == str((tmp_path / "a").resolve())
     assert mapped_checkpoint_dir([views["a"], torch.ones(8)], maps) == str((tmp_path / "a").resolve())
     assert mapped_checkpoint_dir([views["a"], views["b"]], maps) is None, "two directories: no single checkpoint"
     assert mapped_checkpoint_dir([views["a"].clone()], maps) is None, "a copy maps no file"
+    # without `maps`: only the mappings at the tensors' addresses are looked up, with the same answers
+    assert mapped_checkpoint_dir([views["a"], torch.ones(8)]) == str((tmp_path / "a").resolve())
+    assert mapped_checkpoint_dir([views["a"], views["b"]]) is None
+    assert mapped_checkpoint_dir([views["b"].clone(), torch.empty(0)]) is None
     assert torch.equal(load_file(str(tmp_path / "a" / "model.safetensors"))["w"], torch.arange(4096.0))
 
 
@@ -154,7 +159,6 @@ def test_rank0_sends_checkpoint_rows_from_a_mapping_and_drops_its_pages_once_sen
     into a ``pread`` buffer first): the same bytes as a read; a cast is not a view. Once sent, the pages they
     faulted in leave the process's RSS (``Rank0Source.sent``), views of the model's own tensors are left alone."""
     from accelerate_memsafe.distributed.source import Rank0Source
-    from accelerate_memsafe.io.mapped_pages import file_mappings
     from accelerate_memsafe.memory.procfs import read_proc_memory
 
     w = torch.randn(512, 1024)  # 2 MiB: whole pages
