@@ -20,8 +20,20 @@ previous default).
 
 Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to stock and the wall added per hook.
 
+``--paired``: ``save_state`` and ``load_state`` of the two paths alternated in the *same* processes, on the same
+prepared model, round by round (stock is accelerate's own ``Accelerator.save_state`` / ``load_state`` called on
+the plugin's accelerator: no stage runs). Launch-to-launch differences (the page cache, the disk's writeback, where
+the allocator's memory lies) then fall on both paths alike; each round gives a ratio of two neighbouring calls,
+and the table reports the median of those ratios besides the best and median walls. A first round of both paths
+is not counted (the first save and load of a process pay one-time costs), and a full garbage collection runs
+before every timed call: Python's collector falls due with the allocations of both paths, and the plugin's stages
+run with it paused, so a collection due from stock's garbage would otherwise land in the plugin's next hook (a
+full collection of a transformers process takes about 0.2 s here), and the paired walls would charge one path
+with the other's collections.
+
     python benchmarks/overhead.py --size 100m --launches 3 --repeats 3 --paths stock,default,sync_commit,tracker_sync \
         --markdown /tmp/overhead.md
+    python benchmarks/overhead.py --size 1g --paired --launches 2 --repeats 4 --settings fsdp2_2ranks
 """
 
 from __future__ import annotations
@@ -116,15 +128,72 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             "cpu": cpu}
 
 
+
+def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None) -> dict:
+    """One launch of ``--paired``: the plugin's accelerator prepares the model once; after one uncounted round
+    of both paths, each round saves and loads with both, in alternating order (stock first in even rounds)."""
+    import gc
+
+    import accelerate
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    from accelerate_memsafe.models import llama_config
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    acc = _accelerator("default", world)
+    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else LlamaForCausalLM(llama_config(size))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = acc.prepare(model, opt)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    opt.zero_grad()
+    calls = {"stock": (lambda d: accelerate.Accelerator.save_state(acc, d), lambda d: accelerate.Accelerator.load_state(acc, d)),
+             "default": (acc.save_state, acc.load_state)}
+    out = {path: {"save_state_s": [], "load_state_s": [], "commit_tail_s": []} for path in calls}
+
+    def timed(fn) -> float:
+        gc.collect()  # no path pays a collection that the other's garbage made due
+        acc.wait_for_everyone()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for k in range(-1, repeats):  # round -1 is a warm-up of both paths, not counted (DCP's first call plans more)
+        for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
+            save, load = calls[path]
+            target = os.path.join(work, f"{path}{k}")
+            save_s = timed(lambda save=save, target=target: save(target))
+            t0 = time.perf_counter()
+            acc.memsafe_plugin.wait_for_checkpoint()  # the background commit, outside every timed hook
+            tail_s = time.perf_counter() - t0
+            load_s = timed(lambda load=load, target=target: load(target))
+            if k >= 0:
+                out[path]["save_state_s"].append(save_s)
+                out[path]["commit_tail_s"].append(tail_s)
+                out[path]["load_state_s"].append(load_s)
+            acc.wait_for_everyone()
+            if rank == 0:
+                shutil.rmtree(target)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return {"rank": rank, **out}
+
 def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None,
             queue) -> None:
+    """One rank of a launch; ``path="paired"`` runs :func:`_run_paired`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     if world == 1:
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key)
     try:
-        queue.put((rank, "ok", _run(rank, world, path, size, repeats, work, ckpt)))
+        run = _run_paired(rank, world, size, repeats, work, ckpt) if path == "paired" else \
+            _run(rank, world, path, size, repeats, work, ckpt)
+        queue.put((rank, "ok", run))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -143,14 +212,7 @@ def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None) ->
 
 def measure(size: str, paths: list[str], settings: list[str], launches: int, repeats: int, log=print,
             load: str = "checkpoint") -> dict:
-    ckpt = None
-    if load == "checkpoint":  # built once, kept for reuse (a random-init Llama saved with save_pretrained)
-        from accelerate_memsafe.models import save_llama
-
-        ckpt = Path(tempfile.gettempdir()) / "memsafe-bench-overhead" / f"llama-{size}"
-        if not (ckpt / "config.json").exists():
-            save_llama(ckpt, size)
-        ckpt = str(ckpt)
+    ckpt = _checkpoint_of(size, load)  # a random-init Llama saved with save_pretrained
     runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
@@ -168,6 +230,71 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
+
+
+def _checkpoint_of(size: str, load: str) -> str | None:
+    """The checkpoint every rank loads (built once, kept for reuse), or ``None`` for ``load="config"``."""
+    if load != "checkpoint":
+        return None
+    from accelerate_memsafe.models import save_llama
+
+    ckpt = Path(tempfile.gettempdir()) / "memsafe-bench-overhead" / f"llama-{size}"
+    if not (ckpt / "config.json").exists():
+        save_llama(ckpt, size)
+    return str(ckpt)
+
+
+def measure_paired(size: str, settings: list[str], launches: int, repeats: int, log=print,
+                   load: str = "checkpoint") -> dict:
+    """``--paired``: per setting, every round's slowest-rank wall of each path; the best and the median over all
+    rounds of all launches, and the median over rounds of the plugin's wall over stock's in the same round."""
+    import statistics
+
+    ckpt = _checkpoint_of(size, load)
+    rows: dict[str, dict] = {}
+    for setting in settings:
+        world = SETTINGS[setting]
+        rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in ("save_state_s", "load_state_s", "commit_tail_s")}
+                                                     for p in ("stock", "default")}
+        for i in range(launches):
+            with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
+                ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt), 1800, f"paired/{world}")
+            for path, by_hook in rounds.items():
+                for hook, values in by_hook.items():
+                    values.extend(max(r[path][hook][k] for r in ranks) for k in range(repeats))
+            log(f"launch {i + 1}/{launches} {setting}: " + ", ".join(
+                f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in ("save_state_s", "load_state_s")))
+        row = {}
+        for path, by_hook in rounds.items():
+            for hook, values in by_hook.items():
+                row[f"{path}_{hook}_best"] = min(values)
+                row[f"{path}_{hook}_median"] = statistics.median(values)
+        for hook in ("save_state_s", "load_state_s"):
+            ratios = [d / s for d, s in zip(rounds["default"][hook], rounds["stock"][hook])]
+            row[f"{hook}_ratio_median"] = statistics.median(ratios)
+            row[f"{hook}_ratio_best"] = row[f"default_{hook}_best"] / row[f"stock_{hook}_best"]
+        rows[setting] = {"rounds": rounds, **row}
+    return {"benchmark": "overhead-paired", "size": size, "load": load, "launches": launches, "repeats": repeats,
+            "settings": rows, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def markdown_paired(doc: dict) -> str:
+    """The ``--paired`` table, between ``<!-- table: overhead-paired-<size> -->`` markers."""
+    lines = [f"\n<!-- table: overhead-paired-{doc['size']} -->",
+             f"`save_state` and `load_state` of stock accelerate and of the default plugin alternated in the same "
+             f"processes on the same prepared model, Llama `{doc['size']}` fp32 + AdamW, {doc['launches']} launches x "
+             f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
+             f"timed call ({doc['timestamp']}); a wall is the slowest rank's; the median ratio is the median over rounds of the plugin's wall over stock's in the same round:\n",
+             "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
+             "| median ratio | plugin commit in background, median (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for setting, r in doc["settings"].items():
+        for hook in ("save_state_s", "load_state_s"):
+            tail = f"{r['default_commit_tail_s_median']:.3f}" if hook == "save_state_s" else "-"
+            lines.append(f"| {setting} | {hook[:-2]} | {r[f'stock_{hook}_best']:.3f} | {r[f'default_{hook}_best']:.3f} "
+                         f"| {r[f'stock_{hook}_median']:.3f} | {r[f'default_{hook}_median']:.3f} "
+                         f"| {r[f'{hook}_ratio_best']:.2f} | {r[f'{hook}_ratio_median']:.2f} | {tail} |")
+    return "\n".join(lines) + "\n<!-- /table -->\n"
 
 def markdown(doc: dict) -> str:
     """The two tables (wall, then CPU seconds), between ``<!-- table: overhead-<size> -->`` markers."""
@@ -209,6 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--paths", default="stock,default", help=f"comma-separated, from {', '.join(PATHS)}")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
+    parser.add_argument("--paired", action="store_true",
+                        help="save_state / load_state of stock and the plugin alternated in the same processes")
     parser.add_argument("--load", default="checkpoint", choices=("checkpoint", "config"),
                         help="the model: from_pretrained of a saved checkpoint on every rank, or built from the config")
     args = parser.parse_args(argv)
@@ -217,12 +346,15 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [p for p in paths if p not in PATHS] + [s for s in settings if s not in SETTINGS]
     if unknown or "stock" not in paths:
         parser.error(f"unknown path/setting {unknown}, or no `stock` path to compare with")
-    doc = measure(args.size, paths, settings, args.launches, args.repeats,
-                  log=lambda msg: print(msg, file=sys.stderr, flush=True), load=args.load)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.paired:
+        doc = measure_paired(args.size, settings, args.launches, args.repeats, log=log, load=args.load)
+    else:
+        doc = measure(args.size, paths, settings, args.launches, args.repeats, log=log, load=args.load)
     print(json.dumps(doc))
     if args.markdown:
         with open(args.markdown, "a", encoding="utf-8") as f:
-            f.write(markdown(doc))
+            f.write(markdown_paired(doc) if args.paired else markdown(doc))
     return doc
 
 
