@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,13 @@ RECORD_KEYS = (
     "device_delta_bytes",
     "live_tensor_peak_bytes",
 )
+
+#: Timeline samples a :class:`MemoryReport` keeps over all its records (about 17 MB as Python lists). A probe keeps
+#: fewer than 400, so this holds the timelines of the last several hundred stages; older records keep
+#: every figure but lose their ``timeline`` (``timelines_dropped`` counts them). A run that saves every few steps
+#: for days adds a few records per save; their timelines, most of a record's size and most of the objects Python's
+#: collector walks in it, must not grow without bound.
+MAX_TIMELINE_SAMPLES = 100_000
 
 
 @dataclass
@@ -90,19 +98,46 @@ class MemoryReport:
     """The per-stage memory and time records of a run, and ``not_measured``: the record fields that no record
     measures in this run, each with why (e.g. ``live_tensor_peak_bytes`` when the live-tensor tracker is off).
 
+    Records added one by one (:meth:`add`, as the pipeline does) keep their timelines up to
+    ``max_timeline_samples`` samples in all: beyond it the oldest records' timelines are emptied, their figures
+    kept, and ``timelines_dropped`` counts them (``None``: no bound).
+
     Example:
         >>> report = MemoryReport()
         >>> report.to_dict()
         {'records': []}
     """
 
-    def __init__(self, records: list[StageRecord] | None = None, not_measured: dict[str, str] | None = None) -> None:
+    def __init__(self, records: list[StageRecord] | None = None, not_measured: dict[str, str] | None = None, *,
+                 max_timeline_samples: int | None = MAX_TIMELINE_SAMPLES, timelines_dropped: int = 0) -> None:
         self.records: list[StageRecord] = list(records or [])
         self.not_measured: dict[str, str] = dict(not_measured or {})
+        self.max_timeline_samples = max_timeline_samples
+        self.timelines_dropped = timelines_dropped
+        self._kept: deque[StageRecord] = deque()  # records added with a timeline, oldest first
+        self._kept_samples = 0
 
     def add(self, record: StageRecord) -> None:
-        """Appends one record."""
+        """Appends one record; empties the timelines of the oldest ones when the report holds more than
+        ``max_timeline_samples`` samples (never the newest record's).
+
+        Example:
+            >>> report = MemoryReport(max_timeline_samples=3)
+            >>> for i in range(3):
+            ...     report.add(StageRecord("save_state", "s", 0, "ran", None, 0.1, timeline=[[i, 1, 1], [i, 2, 2]]))
+            >>> [len(r.timeline) for r in report.records], report.timelines_dropped
+            ([0, 0, 2], 2)
+        """
         self.records.append(record)
+        if not record.timeline or self.max_timeline_samples is None:
+            return
+        self._kept.append(record)
+        self._kept_samples += len(record.timeline)
+        while self._kept_samples > self.max_timeline_samples and len(self._kept) > 1:
+            old = self._kept.popleft()
+            self._kept_samples -= len(old.timeline)
+            old.timeline = []
+            self.timelines_dropped += 1
 
     def find(self, *, hook: str | None = None, stage: str | None = None, rank: int | None = None) -> list[StageRecord]:
         """Returns the records matching every given field."""
@@ -120,7 +155,8 @@ class MemoryReport:
             if not timeline:
                 d.pop("timeline")
             out.append(d)
-        return {"records": out, **({"not_measured": dict(self.not_measured)} if self.not_measured else {})}
+        return {"records": out, **({"not_measured": dict(self.not_measured)} if self.not_measured else {}),
+                **({"timelines_dropped": self.timelines_dropped} if self.timelines_dropped else {})}
 
     def to_json(self, path: str | os.PathLike) -> Path:
         """Writes :meth:`to_dict` to ``path`` (atomically: a temporary file renamed into place)."""
@@ -141,7 +177,8 @@ class MemoryReport:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise ValueError(f"{path} is not a memsafe report: expected a JSON object with a 'records' list.")
-        return cls([StageRecord.from_dict(r) for r in data["records"]], data.get("not_measured"))
+        return cls([StageRecord.from_dict(r) for r in data["records"]], data.get("not_measured"),
+                   timelines_dropped=int(data.get("timelines_dropped", 0)))
 
     def to_markdown(self) -> str:
         """Renders the records as a markdown table (MiB figures, one row per hook/stage/rank)."""
@@ -171,12 +208,13 @@ class MemoryReport:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return MemoryReport(list(self.records), self.not_measured)
+            return MemoryReport(list(self.records), self.not_measured, timelines_dropped=self.timelines_dropped)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.to_dict())
         records = [StageRecord.from_dict(r) for part in gathered for r in part["records"]]
         records.sort(key=lambda r: (r.rank, r.start_s))
-        return MemoryReport(records, {k: v for part in gathered for k, v in part.get("not_measured", {}).items()})
+        return MemoryReport(records, {k: v for part in gathered for k, v in part.get("not_measured", {}).items()},
+                            timelines_dropped=sum(part.get("timelines_dropped", 0) for part in gathered))
 
     def __len__(self) -> int:
         return len(self.records)

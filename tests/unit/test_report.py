@@ -92,3 +92,30 @@ def test_every_records_samples_lie_within_its_time_span_on_real_hooks(tmp_path):
         assert any(a0 <= t <= a1 for t, _, _ in r.timeline) and any(b0 <= t <= b1 for t, _, _ in r.timeline)
     again = MemoryReport.from_json(accelerator.memsafe_plugin.report.to_json(tmp_path / "r.json"))
     assert [r.spans() for r in again.records] == [r.spans() for r in records]
+
+
+def test_the_report_keeps_a_bounded_number_of_timeline_samples_and_every_figure(tmp_path):
+    # a run that saves every few steps for days adds records forever: their figures stay, the oldest timelines go
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.memory.report import MAX_TIMELINE_SAMPLES
+
+    assert MemSafePlugin().report.max_timeline_samples == MAX_TIMELINE_SAMPLES
+    report = MemoryReport(max_timeline_samples=1000)
+    for i in range(30):  # 200 samples each (a probe keeps fewer than 400)
+        report.add(_rec(stage=f"s{i}", hook="save_state", timeline=[[i + k / 200, 2**20 + k, k] for k in range(200)]))
+    report.add(_rec(stage="skipped", status="skipped", reason="n/a"))  # no timeline: nothing to count
+    kept = [len(r.timeline) for r in report.records]
+    assert sum(kept) <= 1000 and kept[-6:-1] == [200] * 5 and kept[:25] == [0] * 25, kept
+    assert report.timelines_dropped == 25
+    assert [r.stage for r in report.records[:30]] == [f"s{i}" for i in range(30)], "no record is dropped"
+    assert all(r.cpu_anon_peak_bytes == 2 * 2**20 and r.wall_s == 0.25 for r in report.records[:30])
+    again = MemoryReport.from_json(report.to_json(tmp_path / "r.json"))
+    assert again.timelines_dropped == 25 and again.to_dict() == report.to_dict()
+    assert report.gather().timelines_dropped == 25
+    one = MemoryReport(max_timeline_samples=10)
+    one.add(_rec(timeline=[[0.0, 1, 1]] * 50))  # the newest record keeps its timeline even over the bound
+    assert len(one.records[0].timeline) == 50 and one.timelines_dropped == 0
+    unbounded = MemoryReport(max_timeline_samples=None)
+    for _ in range(3):
+        unbounded.add(_rec(timeline=[[0.0, 1, 1]] * 50))
+    assert [len(r.timeline) for r in unbounded.records] == [50, 50, 50]
