@@ -128,7 +128,6 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             "cpu": cpu}
 
 
-
 def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None) -> dict:
     """One launch of ``--paired``: the plugin's accelerator prepares the model once; after one uncounted round
     of both paths, each round saves and loads with both, in alternating order (stock first in even rounds)."""
@@ -162,7 +161,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
         fn()
         return time.perf_counter() - t0
 
-    for k in range(-1, repeats):  # round -1 is a warm-up of both paths, not counted (DCP's first call plans more)
+    for k in range(-1, repeats):  # round -1 warms both paths up, not counted (a process's first save and load pay one-time costs)
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
             save, load = calls[path]
             target = os.path.join(work, f"{path}{k}")
@@ -181,6 +180,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return {"rank": rank, **out}
+
 
 def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None,
             queue) -> None:
@@ -229,7 +229,6 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
     return {"benchmark": "overhead", "size": size, "load": load, "launches": launches, "repeats": repeats, "runs": runs,
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-
 
 
 def _checkpoint_of(size: str, load: str) -> str | None:
@@ -295,6 +294,7 @@ def markdown_paired(doc: dict) -> str:
                          f"| {r[f'stock_{hook}_median']:.3f} | {r[f'default_{hook}_median']:.3f} "
                          f"| {r[f'{hook}_ratio_best']:.2f} | {r[f'{hook}_ratio_median']:.2f} | {tail} |")
     return "\n".join(lines) + "\n<!-- /table -->\n"
+
 
 def markdown(doc: dict) -> str:
     """The two tables (wall, then CPU seconds), between ``<!-- table: overhead-<size> -->`` markers."""
