@@ -78,12 +78,31 @@ def _accelerator(path: str, world: int):
     return Accelerator(plugins=[MemSafePlugin(**options)], fsdp_plugin=fsdp_plugin)
 
 
-def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None = None) -> dict:
+def _model_and_optimizer(size: str, ckpt: str | None):
+    """A Llama loaded with transformers' own ``from_pretrained`` on every rank (as scripts do), or (``ckpt=None``)
+    the same random weights built on every rank, and its AdamW."""
     import torch
-    import torch.distributed as dist
     from transformers import LlamaForCausalLM
 
     from accelerate_memsafe.models import llama_config
+
+    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else LlamaForCausalLM(llama_config(size))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _train_step(acc, model, opt) -> None:
+    """One training step on a fixed batch, so that the optimizer has state to save."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None = None) -> dict:
+    import torch
+    import torch.distributed as dist
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -99,15 +118,9 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
         cpu[hook].append(time.process_time() - c0)  # every thread of the process: the sampler's too
         return time.perf_counter() - t0, out
 
-    # a checkpoint loaded with transformers' own from_pretrained on every rank (as scripts do), or (ckpt=None) the
-    # same random weights built on every rank
-    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else LlamaForCausalLM(llama_config(size))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt = _model_and_optimizer(size, ckpt)
     prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
-    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    acc.backward(model(input_ids=ids, labels=ids).loss)
-    opt.step()
-    opt.zero_grad()
+    _train_step(acc, model, opt)
     wait = getattr(getattr(acc, "memsafe_plugin", None), "wait_for_checkpoint", lambda: None)
     saves, tails, loads = [], [], []
     for k in range(repeats):
@@ -136,20 +149,12 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     import accelerate
     import torch
     import torch.distributed as dist
-    from transformers import LlamaForCausalLM
-
-    from accelerate_memsafe.models import llama_config
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     acc = _accelerator("default", world)
-    model = LlamaForCausalLM.from_pretrained(ckpt) if ckpt else LlamaForCausalLM(llama_config(size))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model, opt = acc.prepare(model, opt)
-    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
-    acc.backward(model(input_ids=ids, labels=ids).loss)
-    opt.step()
-    opt.zero_grad()
+    model, opt = acc.prepare(*_model_and_optimizer(size, ckpt))
+    _train_step(acc, model, opt)
     calls = {"stock": (lambda d: accelerate.Accelerator.save_state(acc, d), lambda d: accelerate.Accelerator.load_state(acc, d)),
              "default": (acc.save_state, acc.load_state)}
     out = {path: {"save_state_s": [], "load_state_s": [], "commit_tail_s": []} for path in calls}

@@ -177,8 +177,10 @@ class MemoryReport:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             raise ValueError(f"{path} is not a memsafe report: expected a JSON object with a 'records' list.")
-        return cls([StageRecord.from_dict(r) for r in data["records"]], data.get("not_measured"),
-                   timelines_dropped=int(data.get("timelines_dropped", 0)))
+        dropped = data.get("timelines_dropped", 0)
+        if not isinstance(dropped, int) or dropped < 0:
+            raise ValueError(f"{path} is not a memsafe report: 'timelines_dropped' is {dropped!r}, not a count.")
+        return cls([StageRecord.from_dict(r) for r in data["records"]], data.get("not_measured"), timelines_dropped=dropped)
 
     def to_markdown(self) -> str:
         """Renders the records as a markdown table (MiB figures, one row per hook/stage/rank)."""

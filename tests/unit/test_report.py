@@ -111,6 +111,10 @@ def test_the_report_keeps_a_bounded_number_of_timeline_samples_and_every_figure(
     assert all(r.cpu_anon_peak_bytes == 2 * 2**20 and r.wall_s == 0.25 for r in report.records[:30])
     again = MemoryReport.from_json(report.to_json(tmp_path / "r.json"))
     assert again.timelines_dropped == 25 and again.to_dict() == report.to_dict()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"records": [], "timelines_dropped": "many"}))
+    with pytest.raises(ValueError, match=r"bad\.json is not a memsafe report: 'timelines_dropped' is 'many'"):
+        MemoryReport.from_json(bad)
     assert report.gather().timelines_dropped == 25
     one = MemoryReport(max_timeline_samples=10)
     one.add(_rec(timeline=[[0.0, 1, 1]] * 50))  # the newest record keeps its timeline even over the bound
