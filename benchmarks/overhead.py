@@ -20,9 +20,11 @@ previous default).
 
 Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to stock and the wall added per hook.
 
-``--paired``: ``save_state`` and ``load_state`` of the two paths alternated in the *same* processes, on the same
-prepared model, round by round (stock is accelerate's own ``Accelerator.save_state`` / ``load_state`` called on
-the plugin's accelerator: no stage runs). Launch-to-launch differences (the page cache, the disk's writeback, where
+``--paired``: ``prepare`` (a new model each round), then ``save_state`` and ``load_state`` (of one prepared model)
+of the two paths alternated in the *same* processes, round by round (stock is accelerate's own
+``Accelerator.prepare`` / ``save_state`` / ``load_state`` called on the plugin's accelerator: no stage runs). A
+paired ``prepare`` is not a process's first (which the launches above measure): it shows what each path costs
+once imports, first calls and the allocator's freed heap are the same for both. Launch-to-launch differences (the page cache, the disk's writeback, where
 the allocator's memory lies) then fall on both paths alike; each round gives a ratio of two neighbouring calls,
 and the table reports the median of those ratios besides the best and median walls. A first round of both paths
 is not counted (the first save and load of a process pay one-time costs), and a full garbage collection runs
@@ -142,8 +144,10 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
 
 
 def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None) -> dict:
-    """One launch of ``--paired``: the plugin's accelerator prepares the model once; after one uncounted round
-    of both paths, each round saves and loads with both, in alternating order (stock first in even rounds)."""
+    """One launch of ``--paired``: with the plugin's accelerator, rounds of ``prepare`` of a new model by each path
+    (stock: accelerate's own ``Accelerator.prepare``), then the plugin prepares the model that is saved and loaded;
+    after one uncounted round of both paths, each round saves and loads with both. Stock goes first in even
+    rounds, the plugin in odd ones."""
     import gc
 
     import accelerate
@@ -153,11 +157,8 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     acc = _accelerator("default", world)
-    model, opt = acc.prepare(*_model_and_optimizer(size, ckpt))
-    _train_step(acc, model, opt)
-    calls = {"stock": (lambda d: accelerate.Accelerator.save_state(acc, d), lambda d: accelerate.Accelerator.load_state(acc, d)),
-             "default": (acc.save_state, acc.load_state)}
-    out = {path: {"save_state_s": [], "load_state_s": [], "commit_tail_s": []} for path in calls}
+    prepares = {"stock": lambda *objs: accelerate.Accelerator.prepare(acc, *objs), "default": acc.prepare}
+    out = {path: {"prepare_s": [], "save_state_s": [], "load_state_s": [], "commit_tail_s": []} for path in prepares}
 
     def timed(fn) -> float:
         gc.collect()  # no path pays a collection that the other's garbage made due
@@ -165,6 +166,20 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
+    for k in range(-1, repeats):  # prepare: a new model each time, alternated likewise, round -1 not counted
+        for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
+            objs = _model_and_optimizer(size, ckpt)
+            prepare_s = timed(lambda objs=objs, path=path: prepares[path](*objs))
+            if k >= 0:
+                out[path]["prepare_s"].append(prepare_s)
+            acc._models.clear()  # this model is done with: the accelerator holds only the next one
+            acc._optimizers.clear()
+            del objs
+    model, opt = acc.prepare(*_model_and_optimizer(size, ckpt))
+    _train_step(acc, model, opt)
+    calls = {"stock": (lambda d: accelerate.Accelerator.save_state(acc, d), lambda d: accelerate.Accelerator.load_state(acc, d)),
+             "default": (acc.save_state, acc.load_state)}
 
     for k in range(-1, repeats):  # round -1 warms both paths up, not counted (a process's first save and load pay one-time costs)
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
@@ -258,7 +273,7 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
     rows: dict[str, dict] = {}
     for setting in settings:
         world = SETTINGS[setting]
-        rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in ("save_state_s", "load_state_s", "commit_tail_s")}
+        rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in (*HOOKS, "commit_tail_s")}
                                                      for p in ("stock", "default")}
         for i in range(launches):
             with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
@@ -267,13 +282,13 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
                 for hook, values in by_hook.items():
                     values.extend(max(r[path][hook][k] for r in ranks) for k in range(repeats))
             log(f"launch {i + 1}/{launches} {setting}: " + ", ".join(
-                f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in ("save_state_s", "load_state_s")))
+                f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in HOOKS))
         row = {}
         for path, by_hook in rounds.items():
             for hook, values in by_hook.items():
                 row[f"{path}_{hook}_best"] = min(values)
                 row[f"{path}_{hook}_median"] = statistics.median(values)
-        for hook in ("save_state_s", "load_state_s"):
+        for hook in HOOKS:
             ratios = [d / s for d, s in zip(rounds["default"][hook], rounds["stock"][hook])]
             row[f"{hook}_ratio_median"] = statistics.median(ratios)
             row[f"{hook}_ratio_best"] = row[f"default_{hook}_best"] / row[f"stock_{hook}_best"]
@@ -285,15 +300,15 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
 def markdown_paired(doc: dict) -> str:
     """The ``--paired`` table, between ``<!-- table: overhead-paired-<size> -->`` markers."""
     lines = [f"\n<!-- table: overhead-paired-{doc['size']} -->",
-             f"`save_state` and `load_state` of stock accelerate and of the default plugin alternated in the same "
-             f"processes on the same prepared model, Llama `{doc['size']}` fp32 + AdamW, {doc['launches']} launches x "
+             f"`prepare` (a new model each time), `save_state` and `load_state` (of one prepared model) of stock accelerate and "
+             f"of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + AdamW, {doc['launches']} launches x "
              f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
              f"timed call ({doc['timestamp']}); a wall is the slowest rank's; the median ratio is the median over rounds of the plugin's wall over stock's in the same round:\n",
              "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
              "| median ratio | plugin commit in background, median (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for setting, r in doc["settings"].items():
-        for hook in ("save_state_s", "load_state_s"):
+        for hook in HOOKS:
             tail = f"{r['default_commit_tail_s_median']:.3f}" if hook == "save_state_s" else "-"
             lines.append(f"| {setting} | {hook[:-2]} | {r[f'stock_{hook}_best']:.3f} | {r[f'default_{hook}_best']:.3f} "
                          f"| {r[f'stock_{hook}_median']:.3f} | {r[f'default_{hook}_median']:.3f} "

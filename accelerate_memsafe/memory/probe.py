@@ -146,6 +146,12 @@ class MemoryProbe:
         device: The accelerator device whose allocator peaks are read (``None`` or CPU: not measured).
         track_tensors: Whether to run the dispatch-level :class:`LiveTensorTracker` inside the region.
         origin: ``time.perf_counter()`` value that timeline samples are relative to.
+        trim_heap: Hand glibc's freed heap back to the kernel (``malloc_trim``) before the region starts, so that its
+            start and peaks count only what is alive. Off by default, and never done around the plugin's stages: the
+            memory glibc keeps is what the process holds in the kernel's eyes (and what its next allocations reuse
+            without a page fault); trimming it before every stage made a second ``prepare`` in one process
+            take twice as long as stock's, and each ``save_state`` hand the training loop's freed heap back, to be
+            faulted in again by the next step.
 
     Example:
         >>> with MemoryProbe() as probe:
@@ -154,8 +160,10 @@ class MemoryProbe:
         True
     """
 
-    def __init__(self, device: torch.device | None = None, *, track_tensors: bool = True, origin: float | None = None):
+    def __init__(self, device: torch.device | None = None, *, track_tensors: bool = True, origin: float | None = None,
+                 trim_heap: bool = False):
         self.device = device
+        self.trim_heap = trim_heap
         self.track_tensors = track_tensors
         self.origin = time.perf_counter() if origin is None else origin
         self.result: ProbeResult | None = None
@@ -176,10 +184,8 @@ class MemoryProbe:
             self._dev_sampled_peak = max(self._dev_sampled_peak, _allocated(self._dev, self._dev_device))
 
     def __enter__(self) -> MemoryProbe:
-        # glibc keeps heap an earlier step freed (below its mmap threshold) until trimmed: hand it back first
-        # (15-35 us when there is little), so the start, and every peak over it, counts what the region holds
-        # rather than what happened to be freed before it and is handed back inside it
-        malloc_trim()
+        if self.trim_heap:
+            malloc_trim()
         self._start_mem = read_proc_memory()
         self._dev = _device_module(self.device)
         if self._dev is not None:

@@ -38,6 +38,8 @@ PLACED_KEY = "meta_placed"
 IN_PLACE_KEY = "weights_in_place"
 #: ``ctx.scratch`` key of this rank's side of the in-place claim it announced (its checkpoint and proved names).
 _CLAIM_KEY = "in_place_claim"
+#: ``ctx.scratch`` key of ``(model, skip reason)``: :meth:`MetaPlacementStage.skip_reason` for that model.
+_SKIP_KEY = "meta_placement_skip_reason"
 
 
 class MetaPlacementStage(Stage):
@@ -52,13 +54,19 @@ class MetaPlacementStage(Stage):
     summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
 
     def skip_reason(self, ctx: HookContext) -> str | None:
+        # asked up to three times before the stage runs (the accelerator's meta-weight check, `announce`, the
+        # pipeline), each a walk over every parameter: the answer is kept for this model in this hook call
+        memo = ctx.scratch.get(_SKIP_KEY)
+        if memo is not None and memo[0] is ctx.model:
+            return memo[1]
         reason = fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
                                            parallelism_config=ctx.scratch.get("parallelism_config"))
-        if reason:
-            return reason
-        if ctx.world_size < 2:
-            return "single process: nothing to distribute"
-        return parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
+        if not reason and ctx.world_size < 2:
+            reason = "single process: nothing to distribute"
+        if not reason:
+            reason = parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
+        ctx.scratch[_SKIP_KEY] = (ctx.model, reason)
+        return reason
 
     def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
         # rank 0 scans the pagemap of the weights it holds on the CPU (whether they are the file's bytes); so does

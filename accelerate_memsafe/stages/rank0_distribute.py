@@ -60,8 +60,6 @@ class Rank0DistributeStage(Stage):
     def run(self, ctx: HookContext) -> StageOutcome:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        # the earlier stages' temporaries were handed back to the kernel (glibc's heap trimmed) by this stage's
-        # memory probe, just before this call: the shards are not allocated on top of freed heap
         offload = isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
         device = torch.device("cpu") if offload else ctx.device
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)

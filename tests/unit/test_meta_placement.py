@@ -91,6 +91,20 @@ def test_stages_skip_with_reasons_when_they_do_not_apply():
     assert BufferInitStage(plugin).skip_reason(_ctx(world_size=1)) == "single process: nothing to synchronise"
 
 
+def test_meta_placement_walks_the_model_once_per_hook_call_for_its_skip_reason(monkeypatch):
+    """The accelerator, ``announce`` and the pipeline each ask; one walk per model and hook call answers all three."""
+    import accelerate_memsafe.stages.meta_placement as mp
+
+    walks = []
+    real = mp.parallelism_blocks_meta_placement
+    monkeypatch.setattr(mp, "parallelism_blocks_meta_placement", lambda *a: walks.append(1) or real(*a))
+    stage, ctx = MetaPlacementStage(MemSafePlugin()), _ctx()
+    assert [stage.skip_reason(ctx) for _ in range(3)] == [None] * 3 and len(walks) == 1
+    ctx.model = nn.Linear(3, 3)  # another model (a stage replaced it): asked again
+    assert stage.skip_reason(ctx) is None and len(walks) == 2
+    assert stage.skip_reason(_ctx()) is None and len(walks) == 3  # a new hook call: a new context
+
+
 def test_default_pipeline_order_and_validation():
     assert MemSafePlugin().stage_names("prepare")[:4] == ("meta_placement", "shard", "rank0_distribute", "buffer_init")
     import pytest

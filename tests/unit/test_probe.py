@@ -48,6 +48,21 @@ def test_probe_reports_rss_and_anon():
     del x
 
 
+def test_the_probe_leaves_glibcs_heap_alone_unless_asked(monkeypatch):
+    """A trim before every stage handed the heap a training step freed back to the kernel, to be faulted in again
+    by the next allocations (a second `prepare` in one process took twice stock's wall): only on request."""
+    import accelerate_memsafe.memory.probe as probe_mod
+
+    trims = []
+    monkeypatch.setattr(probe_mod, "malloc_trim", lambda: trims.append(1))
+    with MemoryProbe(track_tensors=False):
+        pass
+    assert trims == []
+    with MemoryProbe(track_tensors=False, trim_heap=True):
+        pass
+    assert trims == [1]
+
+
 class _FakeCuda:
     """Stands in for ``torch.cuda``'s allocator statistics: ``allocated`` is the live figure, ``peak`` the
     allocator's high-water mark (raised with ``allocated``, lowered only by ``reset_peak_memory_stats``)."""
