@@ -100,14 +100,18 @@ def cgroup_limits(proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
     for version, leaf in _group_dirs(Path(proc_cgroup), root):
         mount = root if version == "v2" else root / "memory"
         for d in _levels(leaf, mount):
+            # the usage and the long memory.stat are read only under a limit (the preflight asks at every hook)
+            limit = _read_int(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes"))
+            if limit is None or limit >= _NO_LIMIT:
+                continue
             if version == "v2":
-                limit, usage = _read_int(d / "memory.max"), _read_int(d / "memory.current")
-                reclaimable = _stat_value(d / "memory.stat", ("inactive_file",))
+                usage = _read_int(d / "memory.current")
+                keys: tuple[str, ...] = ("inactive_file",)
             else:
-                limit, usage = _read_int(d / "memory.limit_in_bytes"), _read_int(d / "memory.usage_in_bytes")
-                reclaimable = _stat_value(d / "memory.stat", ("total_inactive_file", "inactive_file"))
-            if limit is not None and limit < _NO_LIMIT and usage is not None:
-                out.append((d, limit, max(0, usage - reclaimable)))
+                usage = _read_int(d / "memory.usage_in_bytes")
+                keys = ("total_inactive_file", "inactive_file")
+            if usage is not None:
+                out.append((d, limit, max(0, usage - _stat_value(d / "memory.stat", keys))))
     return out
 
 

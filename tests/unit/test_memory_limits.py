@@ -48,6 +48,18 @@ def test_no_limit_anywhere_means_the_host(tmp_path):
     assert cgroup_limits(proc, tmp_path / "cgroup") == []
 
 
+def test_only_a_level_with_a_limit_has_its_usage_and_memory_stat_read(tmp_path, monkeypatch):
+    """Every hook's preflight asks: a level without a limit costs one small read, not its long memory.stat."""
+    import accelerate_memsafe.memory.limits as limits_mod
+
+    read = []
+    real = limits_mod._stat_value
+    monkeypatch.setattr(limits_mod, "_stat_value", lambda path, keys: read.append(path.parent.name) or real(path, keys))
+    assert cgroup_limits(_v2(tmp_path / "a", pod_max="max"), tmp_path / "a" / "cgroup") == [] and read == []
+    assert len(cgroup_limits(_v2(tmp_path / "b", pod_max=str(8 * GIB)), tmp_path / "b" / "cgroup")) == 1
+    assert read == ["kubepods"]  # the pod's level, not the leaf without a limit
+
+
 def test_cgroup_v1_limit(tmp_path):
     root = tmp_path / "cgroup"
     group = root / "memory" / "docker" / "abc"
