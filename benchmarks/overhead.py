@@ -24,11 +24,11 @@ Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to sto
 of the two paths alternated in the *same* processes, round by round (stock is accelerate's own
 ``Accelerator.prepare`` / ``save_state`` / ``load_state`` called on the plugin's accelerator: no stage runs). A
 paired ``prepare`` is not a process's first (which the launches above measure): it shows what each path costs
-once imports, first calls and the allocator's freed heap are the same for both. Launch-to-launch differences (the page cache, the disk's writeback, where
-the allocator's memory lies) then fall on both paths alike; each round gives a ratio of two neighbouring calls,
-and the table reports the median of those ratios besides the best and median walls. A first round of both paths
-is not counted (the first save and load of a process pay one-time costs), and a full garbage collection runs
-before every timed call: Python's collector falls due with the allocations of both paths, and the plugin's stages
+once both have paid the process's one-time costs (imports, first calls). Launch-to-launch differences (the page
+cache, the disk's writeback, where the allocator's memory lies) then fall on both paths alike; each round gives a
+ratio of two neighbouring calls, and the table reports the median of those ratios besides the best and median
+walls. A first round of both paths is not counted (a process's first prepare, save and load pay one-time costs),
+and a full garbage collection runs before every timed call: Python's collector falls due with the allocations of both paths, and the plugin's stages
 run with it paused, so a collection due from stock's garbage would otherwise land in the plugin's next hook (a
 full collection of a transformers process takes about 0.2 s here), and the paired walls would charge one path
 with the other's collections.
@@ -300,8 +300,9 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
 def markdown_paired(doc: dict) -> str:
     """The ``--paired`` table, between ``<!-- table: overhead-paired-<size> -->`` markers."""
     lines = [f"\n<!-- table: overhead-paired-{doc['size']} -->",
-             f"`prepare` (a new model each time), `save_state` and `load_state` (of one prepared model) of stock accelerate and "
-             f"of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + AdamW, {doc['launches']} launches x "
+             f"`prepare` (a new model each time), `save_state` and `load_state` (of one prepared model) of stock "
+             f"accelerate and of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + "
+             f"AdamW, {doc['launches']} launches x "
              f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
              f"timed call ({doc['timestamp']}); a wall is the slowest rank's; the median ratio is the median over rounds of the plugin's wall over stock's in the same round:\n",
              "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
