@@ -7,7 +7,9 @@ purpose (a rescaled rotary ``inv_freq``).
 
 0. *Check first*: every rank's buffers (shapes, dtypes, checksums) are compared with rank 0's in one
    all-gather of a fixed-size row; where every rank already holds rank 0's values, all finite (a model every
-   rank built or loaded the same way), there is nothing to do.
+   rank built or loaded the same way), there is nothing to do. The rows may instead travel earlier, in the
+   pipeline's preflight exchange (:func:`buffer_claim`): where the caller proves that nothing touched any rank's
+   buffers since, the check needs no collective of its own.
 
 Otherwise rank 0 makes one plan and broadcasts it; for each buffer:
 
@@ -42,15 +44,20 @@ class BufferStats:
     verified: int = 0
     resent: int = 0
     already_equal: int = 0
+    checked_in_preflight: bool = False
+    """Whether the check used the rows every rank sent in the preflight exchange, without a collective of its own."""
 
-    def details(self) -> dict[str, int]:
+    def details(self) -> dict[str, int | bool]:
         """The report's details; ``resent`` appears only when a buffer had to be sent again, ``already_equal``
-        only when every rank held rank 0's values from the start."""
-        out = {"recomputed": self.recomputed, "broadcast": self.broadcast, "verified": self.verified}
+        only when every rank held rank 0's values from the start, ``checked_in_preflight`` only when the check
+        needed no collective."""
+        out: dict[str, int | bool] = {"recomputed": self.recomputed, "broadcast": self.broadcast, "verified": self.verified}
         if self.resent:
             out["resent"] = self.resent
         if self.already_equal:
             out["already_equal"] = self.already_equal
+        if self.checked_in_preflight:
+            out["checked_in_preflight"] = True
         return out
 
 
@@ -166,18 +173,57 @@ def _check(t: torch.Tensor) -> list[int]:
     return [1 if finite else 0, _checksum(t)]
 
 
-def _equal_everywhere(buffers: list, coll: Collectives) -> bool:
-    """Whether every rank already holds rank 0's buffers: the same names, shapes, dtypes and checksums, all
-    finite and none on ``meta``. One all-gather of three integers per rank (a count, a digest, a flag), so
-    ranks that hold different buffers never disagree on a collective's size."""
+def _fingerprint(buffers: list) -> list[tuple[int, int]]:
+    """Which tensor objects the buffers are, and their in-place write counters: equal fingerprints, same values."""
+    return [(id(mod._buffers[local]), mod._buffers[local]._version) for _, mod, local, _ in buffers]
+
+
+def _check_row(buffers: list) -> tuple[int, int, int]:
+    """``(count, digest, usable)`` of this rank's buffers: the digest covers names (activation checkpointing's
+    wrapper left out of them), shapes, dtypes, finiteness and checksums; ``usable`` is whether every one is finite
+    and none on ``meta``."""
     import hashlib
 
-    rows = [(fqn, tuple(t.shape), str(t.dtype), *_check(t)) for fqn, mod, local, _ in buffers for t in (mod._buffers[local],)]
+    rows = [(fqn.replace(_AC_WRAPPER, ""), tuple(t.shape), str(t.dtype), *_check(t))
+            for fqn, mod, local, _ in buffers for t in (mod._buffers[local],)]
     usable = all(finite for *_, finite, _ in rows)  # a buffer on meta is not finite either
     digest = int.from_bytes(hashlib.sha256(repr(rows).encode()).digest()[:7], "little")
-    mine = torch.tensor([len(buffers), digest, usable], dtype=torch.int64)
+    return len(buffers), digest, int(usable)
+
+
+# the module name torch's activation checkpointing inserts (``shard`` wraps blocks after the preflight's look)
+_AC_WRAPPER = "_checkpoint_wrapped_module."
+
+
+def _equal_everywhere(buffers: list, coll: Collectives, row: tuple[int, int, int] | None = None) -> bool:
+    """Whether every rank already holds rank 0's buffers: the same names, shapes, dtypes and checksums, all
+    finite and none on ``meta``. One all-gather of three integers per rank (a count, a digest, a flag), so
+    ranks that hold different buffers never disagree on a collective's size. ``row``: this rank's
+    :func:`_check_row`, when already known."""
+    mine = torch.tensor(row if row is not None else _check_row(buffers), dtype=torch.int64)
     gathered = coll.all_gather(mine, what="check of the non-persistent buffers against rank 0's")
     return all(bool(g[2]) and torch.equal(g, gathered[0]) for g in gathered)
+
+
+@dataclass(frozen=True)
+class BufferClaim:
+    """What a rank tells the others about its non-persistent buffers before a hook's stages run
+    (:func:`buffer_claim`): ``row`` travels (three integers), ``fingerprint`` stays on the rank."""
+
+    row: tuple[int, int, int] | None
+    fingerprint: list[tuple[int, int]]
+
+
+def buffer_claim(model: nn.Module) -> BufferClaim:
+    """This rank's buffers as :func:`init_non_persistent_buffers` checks them, taken early (the pipeline's
+    preflight exchange carries ``row``), so that the check can do without a collective of its own.
+
+    Example:
+        >>> buffer_claim(nn.Linear(2, 2)).row is None  # no non-persistent buffer
+        True
+    """
+    buffers = _non_persistent(model)
+    return BufferClaim(_check_row(buffers) if buffers else None, _fingerprint(buffers))
 
 
 def _differing(gathered: list[torch.Tensor], i: int) -> list[int]:
@@ -197,20 +243,29 @@ def _checksum(t: torch.Tensor) -> int:
     return total & ((1 << 62) - 1)
 
 
-def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: torch.device) -> BufferStats:
+def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: torch.device,
+                                claims: list[tuple[int, int, int] | None] | None = None, mine: BufferClaim | None = None,
+                                untouched_everywhere: bool = False) -> BufferStats:
     """Recomputes or broadcasts every non-persistent buffer, then verifies them across ranks.
 
     Args:
         model: The prepared (sharded) model; the same structure on every rank.
         coll: Timeout-guarded collectives of the calling stage.
         device: Where the buffers live.
+        claims: Every rank's :attr:`BufferClaim.row` (rank order), exchanged before the hook's stages ran.
+        mine: This rank's :func:`buffer_claim` of that moment (its row is reused while its buffers are the same
+            tensors, unwritten).
+        untouched_everywhere: The caller proves, identically on every rank, that no rank's buffers changed since
+            the claims (every rank kept its model in place). Then, when every rank claimed rank 0's row, the
+            check needs no collective: each rank only confirms that its row is still the one it claimed.
 
     Returns:
         How many buffers were recomputed (on the ranks other than 0), broadcast, verified and re-sent.
 
     Raises:
         StageError: Naming every buffer that is not finite on rank 0 or still differs between ranks after
-            being re-sent (and the ranks), or that rank 0 cannot provide (on ``meta``, no recipe).
+            being re-sent (and the ranks), or that rank 0 cannot provide (on ``meta``, no recipe); or, with
+            ``untouched_everywhere``, a rank whose buffers are no longer what it claimed.
         CollectiveTimeoutError: If a rank stops participating.
 
     Example:
@@ -221,7 +276,20 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
     buffers = _non_persistent(model)
     if not buffers:
         return stats
-    if _equal_everywhere(buffers, coll):
+    row = mine.row if mine is not None and mine.fingerprint == _fingerprint(buffers) else None
+    if (untouched_everywhere and claims is not None and len(claims) == coll.world_size and claims[0] is not None
+            and claims[0][2] and all(c == claims[0] for c in claims)):
+        now = row if row is not None else _check_row(buffers)
+        if now != claims[0]:
+            raise StageError(
+                f"rank {coll.rank}: the non-persistent buffers changed between the preflight exchange and "
+                "`buffer_init` although no stage moved them (every rank kept its model in place): this is a bug of "
+                "accelerate_memsafe, please report it. Work around it with `MemSafePlugin(load_source='rank0')`."
+            )
+        stats.verified = stats.already_equal = len(buffers)
+        stats.checked_in_preflight = True
+        return stats
+    if _equal_everywhere(buffers, coll, row):
         stats.verified = stats.already_equal = len(buffers)
         return stats
     by_module: dict[int, list[int]] = {}

@@ -81,7 +81,9 @@ def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_ch
         assert placement["details"]["in_place"] is True and "not_in_place_because" not in placement["details"]
         dist = _record(res, rank, "rank0_distribute")
         assert dist["status"] == "skipped" and "unmodified views of one mapped checkpoint" in dist["reason"]
-        assert _record(res, rank, "buffer_init")["details"]["already_equal"] == 2  # inv_freq, original_inv_freq
+        buffers = _record(res, rank, "buffer_init")["details"]
+        assert buffers["already_equal"] == 2  # inv_freq, original_inv_freq
+        assert buffers["checked_in_preflight"] is True  # the rows travelled in the preflight exchange
         shard = _record(res, rank, "shard")["details"]
         if drop:  # each group's file pages are dropped once fully_shard copied its rows: every weight's whole pages
             import math

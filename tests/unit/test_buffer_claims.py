@@ -1,0 +1,123 @@
+"""buffer_init's check from the rows every rank sent in the preflight exchange: no collective where every rank
+kept its model in place and claimed rank 0's row; the collective otherwise; a loud error where a rank's buffers
+changed after its claim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from accelerate_memsafe.distributed.buffers import buffer_claim, init_non_persistent_buffers
+from accelerate_memsafe.errors import StageError
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), Rotary())
+
+
+class Coll:
+    """Collectives of one rank; ``peer_rows`` are the other ranks' rows of the check's all-gather."""
+
+    def __init__(self, rank: int = 0, world_size: int = 2, peer_rows=None) -> None:
+        self.rank, self.world_size, self.peer_rows, self.calls = rank, world_size, peer_rows, []
+
+    def all_gather(self, tensor, *, what=""):
+        self.calls.append((what, tensor.clone()))
+        if self.peer_rows is None:
+            raise AssertionError(f"unexpected collective: {what}")
+        return [tensor.clone()] + [torch.tensor(r, dtype=torch.int64) for r in self.peer_rows]
+
+
+def _claims(model, world_size=2):
+    mine = buffer_claim(model)
+    return mine, [mine.row] * world_size
+
+
+def test_every_rank_claiming_rank0s_row_in_place_needs_no_collective():
+    model = Model()
+    mine, claims = _claims(model)
+    coll = Coll()
+    stats = init_non_persistent_buffers(model, coll=coll, device=torch.device("cpu"), claims=claims, mine=mine,
+                                        untouched_everywhere=True)
+    assert coll.calls == []
+    assert stats.details() == {"recomputed": 0, "broadcast": 0, "verified": 1, "already_equal": 1,
+                               "checked_in_preflight": True}
+
+
+class _FullColl(Coll):
+    """Every collective of the full path, on 2 ranks where rank 1 mirrors rank 0."""
+
+    def all_gather(self, tensor, *, what=""):
+        self.calls.append((what, tensor.clone()))
+        return [tensor.clone(), tensor.clone()]
+
+    def broadcast_object(self, obj, *, src=0, what=""):
+        return obj
+
+    def broadcast(self, tensor, *, src=0, what=""):
+        pass
+
+
+@pytest.mark.parametrize("case", ["not_in_place", "a_rank_differs"])
+def test_without_the_proof_or_agreement_the_check_runs_its_collective_with_the_claimed_row(case):
+    model = Model()
+    mine, claims = _claims(model)
+    if case == "a_rank_differs":
+        claims[1] = (claims[0][0], claims[0][1] + 1, 1)
+    coll = Coll(peer_rows=[list(mine.row)])
+    stats = init_non_persistent_buffers(model, coll=coll, device=torch.device("cpu"), claims=claims, mine=mine,
+                                        untouched_everywhere=case != "not_in_place")
+    what, sent = coll.calls[0]
+    assert what == "check of the non-persistent buffers against rank 0's"
+    assert sent.tolist() == list(mine.row)  # the claimed row, reused: the buffers are the same tensors, unwritten
+    assert stats.already_equal == 1 and not stats.checked_in_preflight
+
+
+def test_a_non_finite_buffer_on_rank0_is_never_waved_through_by_the_claims():
+    model = Model()
+    model.block[1].inv_freq[0] = float("nan")
+    mine, claims = _claims(model)  # every rank claims the same row, but it says "not usable"
+    coll = _FullColl()
+    with pytest.raises(StageError, match="`block.1.inv_freq` is not finite on rank"):
+        init_non_persistent_buffers(model, coll=coll, device=torch.device("cpu"), claims=claims, mine=mine,
+                                    untouched_everywhere=True)
+    assert coll.calls[0][0] == "check of the non-persistent buffers against rank 0's"
+
+
+def test_a_buffer_written_after_the_claim_is_a_loud_error_not_a_silent_pass():
+    model = Model()
+    mine, claims = _claims(model)
+    model.block[1].inv_freq.mul_(2)  # a write: the claimed row no longer holds
+    with pytest.raises(StageError, match=r"rank 1: the non-persistent buffers changed between the preflight"):
+        init_non_persistent_buffers(model, coll=Coll(rank=1), device=torch.device("cpu"), claims=claims, mine=mine,
+                                    untouched_everywhere=True)
+
+
+def test_a_buffer_replaced_by_an_equal_tensor_or_renamed_by_checkpoint_wrapping_still_matches_its_claim():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = Model()
+    mine, claims = _claims(model)
+    rot = model.block[1]
+    rot.inv_freq = rot.inv_freq.clone()  # another tensor, the same bytes: the row is computed again and equal
+    model.block = checkpoint_wrapper(model.block)  # names gain `_checkpoint_wrapped_module.`
+    coll = Coll()
+    stats = init_non_persistent_buffers(model, coll=coll, device=torch.device("cpu"), claims=claims, mine=mine,
+                                        untouched_everywhere=True)
+    assert coll.calls == [] and stats.checked_in_preflight
+
+
+def test_a_model_without_non_persistent_buffers_claims_nothing():
+    assert buffer_claim(nn.Linear(2, 2)).row is None
+    stats = init_non_persistent_buffers(nn.Linear(2, 2), coll=Coll(), device=torch.device("cpu"), claims=[None, None],
+                                        untouched_everywhere=True)
+    assert stats.verified == 0
