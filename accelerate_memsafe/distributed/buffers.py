@@ -26,6 +26,7 @@ Otherwise rank 0 makes one plan and broadcasts it; for each buffer:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -173,9 +174,17 @@ def _check(t: torch.Tensor) -> list[int]:
     return [1 if finite else 0, _checksum(t)]
 
 
-def _fingerprint(buffers: list) -> list[tuple[int, int]]:
-    """Which tensor objects the buffers are, and their in-place write counters: equal fingerprints, same values."""
-    return [(id(mod._buffers[local]), mod._buffers[local]._version) for _, mod, local, _ in buffers]
+def _fingerprint(buffers: list) -> list[tuple[weakref.ref, int]]:
+    """Which tensor objects the buffers are (weak references: an ``id`` could be a freed tensor's, reused), and their
+    in-place write counters."""
+    return [(weakref.ref(mod._buffers[local]), mod._buffers[local]._version) for _, mod, local, _ in buffers]
+
+
+def _unchanged(fingerprint: list[tuple[weakref.ref, int]], buffers: list) -> bool:
+    """Whether the buffers are still the very tensors of ``fingerprint``, none written since: the same values."""
+    return len(fingerprint) == len(buffers) and all(
+        ref() is mod._buffers[local] and mod._buffers[local]._version == version
+        for (ref, version), (_, mod, local, _) in zip(fingerprint, buffers))
 
 
 def _check_row(buffers: list) -> tuple[int, int, int]:
@@ -211,7 +220,7 @@ class BufferClaim:
     (:func:`buffer_claim`): ``row`` travels (three integers), ``fingerprint`` stays on the rank."""
 
     row: tuple[int, int, int] | None
-    fingerprint: list[tuple[int, int]]
+    fingerprint: list[tuple[weakref.ref, int]]
 
 
 def buffer_claim(model: nn.Module) -> BufferClaim:
@@ -276,7 +285,7 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
     buffers = _non_persistent(model)
     if not buffers:
         return stats
-    row = mine.row if mine is not None and mine.fingerprint == _fingerprint(buffers) else None
+    row = mine.row if mine is not None and _unchanged(mine.fingerprint, buffers) else None
     if (untouched_everywhere and claims is not None and len(claims) == coll.world_size and claims[0] is not None
             and claims[0][2] and all(c == claims[0] for c in claims)):
         now = row if row is not None else _check_row(buffers)

@@ -51,8 +51,6 @@ PEER_CHECK_INTERVAL_S = 0.25
 _SPIN_S = 50e-6
 _FIRST_SLEEP_S = 20e-6
 _MAX_SLEEP_S = 0.5e-3
-# How long an agreement polls the store at most 1 ms apart before backing off further.
-_AGREE_FAST_S = 0.05
 # Longest message of a failed rank kept in the store (the rank's own log has the rest).
 _MAX_MESSAGE_CHARS = 4000
 
@@ -185,9 +183,7 @@ class HookScope:
             self.store.set(f"{key}/{self.rank}", b"1")
             arrived = self.store.add(key, 1)
             # the first polls come quickly (a store round trip is tens of microseconds): ranks usually arrive
-            # within milliseconds of each other, so for the first _AGREE_FAST_S the polls are at most 1 ms apart
-            # (a doubling backoff without that cap would see a peer arriving at 2 ms only at 3.2 ms); a rank that
-            # waits longer backs off to one poll per 20 ms
+            # within a millisecond of each other, and a rank that waits longer backs off to one poll per 20 ms
             sleep = 50e-6
             next_check = started + PEER_CHECK_INTERVAL_S
             while arrived < self.world_size:
@@ -204,7 +200,7 @@ class HookScope:
                         "`MemSafePlugin(collective_timeout_s=...)` if the ranks are merely slow."
                     )
                 time.sleep(min(sleep, max(timeout_s - (now - started), 0.0)))
-                sleep = min(sleep * 2, 1e-3 if now - started < _AGREE_FAST_S else 20e-3)
+                sleep = min(sleep * 2, 20e-3)
                 arrived = self.store.add(key, 0)
         except (PeerStageError, CollectiveTimeoutError):
             raise

@@ -121,3 +121,25 @@ def test_a_model_without_non_persistent_buffers_claims_nothing():
     stats = init_non_persistent_buffers(nn.Linear(2, 2), coll=Coll(), device=torch.device("cpu"), claims=[None, None],
                                         untouched_everywhere=True)
     assert stats.verified == 0
+
+
+class _PlanReached(Exception):
+    pass
+
+
+class _StopAtPlan(Coll):
+    def broadcast_object(self, obj, *, src=0, what=""):
+        raise _PlanReached(what)
+
+
+def test_a_buffer_replaced_after_the_claim_is_checked_as_it_is_now_not_as_claimed():
+    # what `meta_placement` does on ranks > 0 when the weights do not stay in place; the old tensor is freed, and
+    # CPython may give its id to the new one: the claim must not be taken for the buffer's present state
+    model = Model()
+    mine, claims = _claims(model)
+    model.block[1]._buffers["inv_freq"] = torch.empty(4, device="meta")
+    coll = _StopAtPlan(peer_rows=[list(mine.row)])
+    with pytest.raises(_PlanReached):  # the check found a difference: rank 0's plan comes next
+        init_non_persistent_buffers(model, coll=coll, device=torch.device("cpu"), claims=claims, mine=mine)
+    sent = coll.calls[0][1].tolist()
+    assert sent != list(mine.row) and sent[2] == 0  # the row of a buffer on meta: not usable
