@@ -211,7 +211,12 @@ def _equal_everywhere(buffers: list, coll: Collectives, row: tuple[int, int, int
     :func:`_check_row`, when already known."""
     mine = torch.tensor(row if row is not None else _check_row(buffers), dtype=torch.int64)
     gathered = coll.all_gather(mine, what="check of the non-persistent buffers against rank 0's")
-    return all(bool(g[2]) and torch.equal(g, gathered[0]) for g in gathered)
+    return _every_rank_holds_rank0s([tuple(g.tolist()) for g in gathered])
+
+
+def _every_rank_holds_rank0s(rows: list[tuple[int, int, int] | None]) -> bool:
+    """Whether every rank's :func:`_check_row` (rank order) is rank 0's, and rank 0's buffers are usable."""
+    return rows[0] is not None and bool(rows[0][2]) and all(r == rows[0] for r in rows)
 
 
 @dataclass(frozen=True)
@@ -286,8 +291,7 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
     if not buffers:
         return stats
     row = mine.row if mine is not None and _unchanged(mine.fingerprint, buffers) else None
-    if (untouched_everywhere and claims is not None and len(claims) == coll.world_size and claims[0] is not None
-            and claims[0][2] and all(c == claims[0] for c in claims)):
+    if untouched_everywhere and claims is not None and len(claims) == coll.world_size and _every_rank_holds_rank0s(claims):
         now = row if row is not None else _check_row(buffers)
         if now != claims[0]:
             raise StageError(
