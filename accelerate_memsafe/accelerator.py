@@ -172,7 +172,8 @@ class MemSafeMixin:
         # (dataloader_resume records its dataloaders) but adds no records: one `prepare` pipeline per model.
         pipeline = self.memsafe_plugin.pipeline
         if not models and not optimizers:
-            pipeline = Pipeline(pipeline.stages, MemoryReport(), track_tensors=False)
+            pipeline = Pipeline(pipeline.stages, MemoryReport(), track_tensors=False,
+                                sample_interval_s=pipeline.sample_interval_s)
 
         def upstream(c: HookContext) -> Any:
             new_args = list(args)
@@ -314,9 +315,27 @@ class Accelerator(MemSafeMixin, accelerate.Accelerator):
             if parallelism_config is not None:
                 _compat.install_parallelism_config(self, parallelism_config)
         self.memsafe_plugin = plugin
+        _ready_for_hooks()
 
 
 _SUBCLASSES: dict[type, type] = {}
+
+
+def _ready_for_hooks() -> None:
+    """Does, before the first hook, the once-per-process setup the hooks need: starts the memory probes' sampling
+    thread and the waiter of the ranks' agreements (with its own connection to the store), and, in a multi-process
+    run, the kernel checks behind the in-place proof of ``prepare`` (what the pagemap reports). Each is otherwise done
+    by the first hook that needs it, on its path."""
+    import torch.distributed as dist
+
+    from .distributed.collectives import ready_to_agree
+    from .io.mapped_pages import check_kernel_support
+    from .memory.probe import start_sampler
+
+    start_sampler()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        ready_to_agree()
+        check_kernel_support()
 
 
 def attach_plugin(accelerator: Any, plugin: MemSafePlugin, *, fsdp_plugin: Any = None) -> Any:
@@ -345,4 +364,5 @@ def attach_plugin(accelerator: Any, plugin: MemSafePlugin, *, fsdp_plugin: Any =
         _SUBCLASSES[cls] = sub
     accelerator.__class__ = sub
     accelerator.memsafe_plugin = plugin
+    _ready_for_hooks()
     return accelerator

@@ -17,7 +17,7 @@ import torch
 from .background import BackgroundWork, process_work
 from .errors import PipelineError
 from .memory.limits import cpu_memory_limit
-from .memory.probe import MemoryProbe, ProbeResult
+from .memory.probe import SAMPLE_INTERVAL_S, MemoryProbe, ProbeResult
 from .memory.report import MemoryReport, StageRecord
 
 if TYPE_CHECKING:
@@ -312,12 +312,15 @@ class Pipeline:
         stages: Stage instances per hook (from :func:`validate_stage_names`).
         report: Where records go.
         track_tensors: Whether the probe runs the live-tensor tracker.
+        sample_interval_s: Seconds between two samples of the probes' memory thread.
     """
 
-    def __init__(self, stages: Mapping[str, tuple[Stage, ...]], report: MemoryReport, *, track_tensors: bool = True):
+    def __init__(self, stages: Mapping[str, tuple[Stage, ...]], report: MemoryReport, *, track_tensors: bool = True,
+                 sample_interval_s: float = SAMPLE_INTERVAL_S):
         self.stages = dict(stages)
         self.report = report
         self.track_tensors = track_tensors
+        self.sample_interval_s = sample_interval_s
         self.origin = time.perf_counter()
         self.background = process_work()  # one per process: any accelerator's next hook settles it
 
@@ -326,7 +329,8 @@ class Pipeline:
         return tuple(s.name for s in self.stages.get(hook, ()))
 
     def _probe(self, ctx: HookContext, fn: Callable[[HookContext], StageOutcome | None], stage: str):
-        probe = MemoryProbe(ctx.device, track_tensors=self.track_tensors, origin=self.origin)
+        probe = MemoryProbe(ctx.device, track_tensors=self.track_tensors, origin=self.origin,
+                            interval_s=self.sample_interval_s)
         start = time.perf_counter() - self.origin
         try:
             with probe:

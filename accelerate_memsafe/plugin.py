@@ -90,6 +90,13 @@ class MemSafePlugin:
     (``live_tensor_peak_bytes``), at a cost per aten op that makes op-heavy hooks (an FSDP2 ``load_state``) measurably
     slower. Off: ``live_tensor_peak_bytes`` is ``None`` and the report's ``not_measured`` says why."""
 
+    memory_sample_interval_s: float = 0.01
+    """Seconds between two samples of RSS and RssAnon (and device memory) while a stage runs. Each sample costs the
+    sampled rank CPU time and a hand-off of the GIL, which shows in a short multi-process ``prepare`` on a machine
+    whose cores the ranks share (docs/benchmarks.md). A rise and fall of memory shorter than the interval is not seen
+    (RSS above the process's earlier high-water mark still is, through ``VmHWM``; device peaks above an earlier
+    high-water mark too); the report's ``not_measured`` says so. ``0.002`` samples five times as often."""
+
     progress: bool = True
     """Show tqdm progress bars on rank 0 for stages that move more than a few hundred MB."""
 
@@ -117,6 +124,10 @@ class MemSafePlugin:
             problems.append(f"`prefetch_buckets` must be an int >= 1, got {self.prefetch_buckets!r}.")
         if not (isinstance(self.collective_timeout_s, (int, float)) and self.collective_timeout_s > 0):
             problems.append(f"`collective_timeout_s` must be > 0 seconds, got {self.collective_timeout_s!r}.")
+        if not (isinstance(self.memory_sample_interval_s, (int, float)) and not isinstance(self.memory_sample_interval_s, bool)
+                and 0 < self.memory_sample_interval_s <= 1):
+            problems.append("`memory_sample_interval_s` must be > 0 and <= 1 second, got "
+                            f"{self.memory_sample_interval_s!r}.")
         if problems:
             raise ConfigError(" ".join(problems))
         names = DEFAULT_STAGES if self.stages is None else self.stages
@@ -126,7 +137,13 @@ class MemSafePlugin:
             self.report.not_measured["live_tensor_peak_bytes"] = (
                 "the live-tensor tracker is off (`track_live_tensors=False`, the default: it runs Python on every aten "
                 "op); RSS, RssAnon and device peaks are measured. Turn it on with `MemSafePlugin(track_live_tensors=True)`.")
-        object.__setattr__(self, "_pipeline", Pipeline(instances, self.report, track_tensors=self.track_live_tensors))
+        self.report.not_measured["cpu_peaks_between_samples"] = (
+            f"RSS and RssAnon are sampled every {self.memory_sample_interval_s * 1e3:g} ms "
+            "(`memory_sample_interval_s`): a rise and fall of memory inside a stage shorter than that is not seen, "
+            "except RSS above the process's earlier high-water mark (VmHWM). Sample more often with "
+            "`MemSafePlugin(memory_sample_interval_s=0.002)`, at more CPU time per second of the stage.")
+        object.__setattr__(self, "_pipeline", Pipeline(instances, self.report, track_tensors=self.track_live_tensors,
+                                                       sample_interval_s=self.memory_sample_interval_s))
 
     @property
     def pipeline(self) -> Pipeline:

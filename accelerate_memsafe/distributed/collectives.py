@@ -90,15 +90,20 @@ class HookScope:
         self._store_error: str | None = None
 
     def publish(self, stage: str, exc: BaseException) -> None:
-        """Records on the board that this rank failed in ``stage`` with ``exc`` (one store round trip;
-        never raises: the caller re-raises its own error right after)."""
+        """Records on the board that this rank failed in ``stage`` with ``exc``, and wakes the peers waiting at an
+        agreement (a few store round trips; never raises: the caller re-raises its own error right after).
+
+        A peer can only be waiting at the agreement this rank would have entered next, or at the one it entered
+        last (it may have failed inside it): their ``done`` marks say that it failed, with its record."""
         message = f"{type(exc).__name__}: {exc}"
         if len(message) > _MAX_MESSAGE_CHARS:
             message = message[:_MAX_MESSAGE_CHARS] + " [...]"
-        record = {"rank": self.rank, "stage": stage, "hook": self.hook, "message": message}
+        record = json.dumps({"rank": self.rank, "stage": stage, "hook": self.hook, "message": message})
         try:
             # one atomic append: a reader that sees the key sees whole records
-            self.store.append(self._failures_key, (json.dumps(record) + "\n").encode())
+            self.store.append(self._failures_key, (record + "\n").encode())
+            for index in range(max(self._agreements - 1, 0), self._agreements + 1):
+                self.store.set(f"{self._agreement_key(index)}/done", _FAILED + record.encode())
         except Exception:
             pass
 
@@ -157,9 +162,13 @@ class HookScope:
         """Waits until every rank has reached this point of the hook call, through the store only (no
         collective is posted, so a rank stopped here by a peer's failure leaves the process group usable).
 
-        Each rank adds one to a counter and polls it with a short backoff, looking at the failure board
-        every :data:`PEER_CHECK_INTERVAL_S` seconds. The ranks must call it the same number of times in a
-        hook call.
+        Each rank marks its arrival and adds one to a counter; the last to arrive sets the agreement's ``done``
+        key, which wakes the others at once (the store pushes it to a waiting client: no polling, no backoff
+        whose latency would add up over the hook's agreements). A rank that fails sets the ``done`` key of the
+        agreement its peers can be waiting at (:meth:`publish`), so they raise at once too. The wait runs in a
+        helper thread on a clone of the store (:func:`_wait_for_keys`); this thread stays responsive to
+        ``Ctrl-C`` and looks at the failure board every :data:`PEER_CHECK_INTERVAL_S` seconds besides. The ranks
+        must call it the same number of times in a hook call.
 
         Args:
             what: Where in the hook (``"before `accelerate.prepare`"``), for messages.
@@ -174,34 +183,32 @@ class HookScope:
             >>> # with hook_scope("prepare", rank=rank, world_size=2) as scope:
             >>> #     scope.agree("before `accelerate.prepare`", timeout_s=600)
         """
-        key = f"{self.prefix}/agree/{self._agreements}"
+        key = self._agreement_key(self._agreements)
         self._agreements += 1
         stopped = f"at the agreement {what} (its own stages had finished)"
         started = time.monotonic()
-        self.raise_if_peer_failed(stopped=stopped)
         try:
             self.store.set(f"{key}/{self.rank}", b"1")
-            arrived = self.store.add(key, 1)
-            # the first polls come quickly (a store round trip is tens of microseconds): ranks usually arrive
-            # within a millisecond of each other, and a rank that waits longer backs off to one poll per 20 ms
-            sleep = 50e-6
-            next_check = started + PEER_CHECK_INTERVAL_S
-            while arrived < self.world_size:
+            if self.store.add(key, 1) >= self.world_size:
+                # every rank arrived, so none failed before this point (a rank that failed never arrives)
+                self.store.set(f"{key}/done", _ALL_ARRIVED)
+                return
+            waiting = _wait_for_keys(self.store, [f"{key}/done"], timeout_s)
+            deadline = started + timeout_s
+            while not waiting.finished.wait(max(min(PEER_CHECK_INTERVAL_S, deadline - time.monotonic()), 0.0)):
                 now = time.monotonic()
-                if now >= next_check:
-                    self.raise_if_peer_failed(stopped=f"{stopped} after {now - started:.1f}s")
-                    next_check = now + PEER_CHECK_INTERVAL_S
-                if now - started >= timeout_s:
-                    missing = [r for r in range(self.world_size) if not self.store.check([f"{key}/{r}"])]
-                    raise CollectiveTimeoutError(
-                        f"hook `{self.hook}`: the agreement {what} on rank {self.rank} did not complete within "
-                        f"collective_timeout_s={timeout_s:g}s: rank(s) {missing} never reached it. Check the log of "
-                        "the missing rank (it may have crashed, run out of memory or be stuck in a stage); raise "
-                        "`MemSafePlugin(collective_timeout_s=...)` if the ranks are merely slow."
-                    )
-                time.sleep(min(sleep, max(timeout_s - (now - started), 0.0)))
-                sleep = min(sleep * 2, 20e-3)
-                arrived = self.store.add(key, 0)
+                self.raise_if_peer_failed(stopped=f"{stopped} after {now - started:.1f}s")
+                if now >= deadline:
+                    raise self._agreement_timeout(key, what, timeout_s)
+            if waiting.error is not None:
+                if time.monotonic() - started >= timeout_s:
+                    raise self._agreement_timeout(key, what, timeout_s)
+                raise waiting.error
+            done = bytes(self.store.get(f"{key}/done"))
+            if done != _ALL_ARRIVED:  # a peer failed: its record is on the board, and in the mark itself
+                failures = self.peer_failures() or [json.loads(done[len(_FAILED):].decode())]
+                raise self.peer_error(failures, stopped=f"{stopped} after {time.monotonic() - started:.1f}s",
+                                      abandoned=False)
         except (PeerStageError, CollectiveTimeoutError):
             raise
         except Exception as exc:
@@ -210,6 +217,100 @@ class HookScope:
                 f"unreachable ({type(exc).__name__}: {exc}); the process hosting it (rank 0, or the torchrun agent) "
                 "has probably exited. Check its log."
             ) from exc
+
+    def _agreement_key(self, index: int) -> str:
+        return f"{self.prefix}/agree/{index}"
+
+    def _agreement_timeout(self, key: str, what: str, timeout_s: float) -> CollectiveTimeoutError:
+        missing = [r for r in range(self.world_size) if not self.store.check([f"{key}/{r}"])]
+        return CollectiveTimeoutError(
+            f"hook `{self.hook}`: the agreement {what} on rank {self.rank} did not complete within "
+            f"collective_timeout_s={timeout_s:g}s: rank(s) {missing} never reached it. Check the log of "
+            "the missing rank (it may have crashed, run out of memory or be stuck in a stage); raise "
+            "`MemSafePlugin(collective_timeout_s=...)` if the ranks are merely slow."
+        )
+
+
+# The `done` mark of an agreement: every rank arrived, or a rank failed (followed by its record, as JSON).
+_ALL_ARRIVED = b"all"
+_FAILED = b"failed:"
+
+
+class _KeyWait:
+    """One request to :class:`_StoreWaiter`: ``finished`` is set when the keys are there or the wait failed
+    (``error``)."""
+
+    def __init__(self, keys: list[str], timeout_s: float) -> None:
+        self.keys = keys
+        self.timeout_s = timeout_s
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _StoreWaiter:
+    """A daemon thread that waits for store keys on request, on its own clone of the store: a ``TCPStore`` client
+    holds its lock for the whole of a blocking ``wait``, which on the shared client would block every other use
+    of the store (the failure board included). The store pushes the keys to the waiting client, so a request ends
+    as soon as they are set. One per process, made before the first hook when possible (:func:`ready_to_agree`):
+    a clone is a new connection and a thread start a scheduler round trip, neither on a hook's path."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._clone = store.clone()
+        self._requests: queue.SimpleQueue[_KeyWait] = queue.SimpleQueue()
+        self.busy = False
+        self.broken = False
+        threading.Thread(target=self._run, name="memsafe-agree", daemon=True).start()
+
+    def submit(self, keys: list[str], timeout_s: float) -> _KeyWait:
+        request = _KeyWait(keys, timeout_s)
+        self.busy = True
+        self._requests.put(request)
+        return request
+
+    def _run(self) -> None:
+        while True:
+            request = self._requests.get()
+            try:
+                self._clone.wait(request.keys, datetime.timedelta(seconds=request.timeout_s))
+            except BaseException as exc:  # a timed-out or broken client is not used again
+                request.error = exc
+                self.broken = True
+            finally:
+                self.busy = False
+                request.finished.set()
+            if self.broken:
+                return
+
+
+_WAITER: list[_StoreWaiter | None] = [None]
+_WAITER_LOCK = threading.Lock()
+
+
+def _waiter(store: Any) -> _StoreWaiter:
+    """The process's waiter for ``store``: a new one when there is none for this store, or when the last one is still
+    blocked (its rank gave up on a wait: interrupted) or broken."""
+    with _WAITER_LOCK:
+        current = _WAITER[0]
+        if current is None or current.store is not store or current.busy or current.broken:
+            current = _WAITER[0] = _StoreWaiter(store)
+        return current
+
+
+def ready_to_agree() -> None:
+    """Makes the agreements' waiter of the default process group's store now, off any hook's path (called when a
+    memsafe accelerator is built). Does nothing in a single process or without a store."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    store = _compat.default_store()
+    if store is not None:
+        with contextlib.suppress(Exception):  # the first agreement makes its own
+            _waiter(store)
+
+
+def _wait_for_keys(store: Any, keys: list[str], timeout_s: float) -> _KeyWait:
+    """Starts waiting for ``keys`` to be set in ``store`` (at most ``timeout_s``) without blocking the caller."""
+    return _waiter(store).submit(keys, timeout_s)
 
 
 @contextlib.contextmanager

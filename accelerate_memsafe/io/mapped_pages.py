@@ -189,6 +189,15 @@ def file_backed_ranges() -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi, _, _ in file_mappings(resolve=False)]
 
 
+def check_kernel_support() -> None:
+    """Runs, once per process, the checks of what this kernel's pagemap reports (:func:`unmodified_file_pages` asks
+    them at its first call): called when a multi-process memsafe accelerator is built, so that the first ``prepare``
+    does not pay for them. Never raises."""
+    _pagemap_reports_private_writes()
+    _scan_reports_private_writes()
+    libc()
+
+
 @functools.cache
 def _pagemap_reports_private_writes() -> bool:
     """Whether this kernel's pagemap shows a page this process wrote as present and not a file page.

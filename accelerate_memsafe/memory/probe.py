@@ -5,7 +5,7 @@ The device peak is measured without touching the allocator's peak statistics: th
 ``reset_peak_memory_stats()`` around every stage. A region's device peak is therefore the largest of
 
 - ``memory_allocated()`` at the start and at the end,
-- ``memory_allocated()`` as sampled by the probe's thread (every :data:`SAMPLE_INTERVAL_S`), and
+- ``memory_allocated()`` as sampled by the probe's thread (every ``interval_s``), and
 - the allocator's ``max_memory_allocated()`` at the end, *if* it rose during the region (a new high-water
   mark was set inside the region, so it is the region's exact peak).
 
@@ -29,7 +29,9 @@ import torch
 from .procfs import malloc_trim, read_proc_memory, read_rss_anon
 from .tracker import LiveTensorTracker
 
-#: Sampling interval of the RSS thread. 2 ms catches transient peaks of a few hundred MB at memcpy speed.
+#: Default sampling interval of a probe made directly. 2 ms catches transient peaks of a few hundred MB at memcpy
+#: speed; each sample costs the sampled process CPU time and a hand-off of the GIL, so the plugin's stages sample
+#: every ``MemSafePlugin(memory_sample_interval_s=...)`` (10 ms by default).
 SAMPLE_INTERVAL_S = 0.002
 
 
@@ -99,9 +101,9 @@ def _device_module(device: torch.device | None):
 
 
 class _Sampler:
-    """One daemon thread per process samples RSS/RssAnon (and device memory) for every open probe, every
-    :data:`SAMPLE_INTERVAL_S`, and sleeps on a condition while none is open: a probe costs no thread start or
-    join (each is a scheduler round trip, milliseconds on a busy machine, on every stage)."""
+    """One daemon thread per process samples RSS/RssAnon (and device memory) for every open probe, at the
+    shortest ``interval_s`` of the open probes, and sleeps on a condition while none is open: a probe costs no
+    thread start or join (each is a scheduler round trip, milliseconds on a busy machine, on every stage)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -109,12 +111,20 @@ class _Sampler:
         self._thread: threading.Thread | None = None
         self._pid = 0
 
+    def start(self) -> None:
+        """Starts the thread if this process has none yet (it sleeps until a probe opens)."""
+        with self._cond:
+            self._start()
+
+    def _start(self) -> None:
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._pid = os.getpid()  # a forked child has no copy of the parent's thread
+            self._thread = threading.Thread(target=self._run, name="memsafe-probe", daemon=True)
+            self._thread.start()
+
     def add(self, probe: MemoryProbe) -> None:
         with self._cond:
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()  # a forked child has no copy of the parent's thread
-                self._thread = threading.Thread(target=self._run, name="memsafe-probe", daemon=True)
-                self._thread.start()
+            self._start()
             self._probes.append(probe)
             self._cond.notify()
 
@@ -133,10 +143,17 @@ class _Sampler:
             with self._cond:
                 for probe in self._probes:
                     probe._take(t, mem)
-            time.sleep(SAMPLE_INTERVAL_S)
+                interval = min((probe.interval_s for probe in self._probes), default=SAMPLE_INTERVAL_S)
+            time.sleep(interval)
 
 
 _SAMPLER = _Sampler()
+
+
+def start_sampler() -> None:
+    """Starts the probes' sampling thread now, off any stage's path (a thread start is a scheduler round trip,
+    milliseconds on a busy machine): called when a memsafe accelerator is built."""
+    _SAMPLER.start()
 
 
 class MemoryProbe:
@@ -146,6 +163,7 @@ class MemoryProbe:
         device: The accelerator device whose allocator peaks are read (``None`` or CPU: not measured).
         track_tensors: Whether to run the dispatch-level :class:`LiveTensorTracker` inside the region.
         origin: ``time.perf_counter()`` value that timeline samples are relative to.
+        interval_s: Seconds between two samples of RSS/RssAnon (and device memory) inside the region.
         trim_heap: Hand glibc's freed heap back to the kernel (``malloc_trim``) before the region starts, so that its
             start and peaks count only what is alive. Off by default, and never done around the plugin's stages: the
             memory glibc keeps is what the process holds in the kernel's eyes (and what its next allocations reuse
@@ -161,8 +179,9 @@ class MemoryProbe:
     """
 
     def __init__(self, device: torch.device | None = None, *, track_tensors: bool = True, origin: float | None = None,
-                 trim_heap: bool = False):
+                 trim_heap: bool = False, interval_s: float = SAMPLE_INTERVAL_S):
         self.device = device
+        self.interval_s = interval_s
         self.trim_heap = trim_heap
         self.track_tensors = track_tensors
         self.origin = time.perf_counter() if origin is None else origin

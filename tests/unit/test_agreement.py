@@ -1,0 +1,162 @@
+"""HookScope.agree: the ranks of a hook call meet through the store; the last to arrive wakes the others at once,
+a rank that fails wakes them with its error, and a rank that never arrives is named after the timeout.
+
+The ranks are threads here, each with its own HookScope over one store (a HashStore in this process, or a real
+TCPStore with one client per rank, as torchrun gives them)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from accelerate_memsafe.distributed import collectives
+from accelerate_memsafe.distributed.collectives import HookScope
+from accelerate_memsafe.errors import CollectiveTimeoutError, PeerStageError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stores(kind: str, world: int):
+    if kind == "hash":
+        store = dist.HashStore()
+        return [store] * world
+    port = _free_port()
+    timeout = datetime.timedelta(seconds=30)
+    master = dist.TCPStore("127.0.0.1", port, world, True, timeout, wait_for_workers=False)
+    return [master] + [dist.TCPStore("127.0.0.1", port, world, False, timeout) for _ in range(world - 1)]
+
+
+def _on_ranks(stores, fn, *, join_s: float = 20.0):
+    """Runs ``fn(scope)`` for each rank in its own thread; returns what each returned or raised."""
+    world = len(stores)
+    out: list = [None] * world
+
+    def body(rank):
+        scope = HookScope("prepare", 0, store=stores[rank], rank=rank, world_size=world)
+        try:
+            out[rank] = fn(scope)
+        except BaseException as exc:  # handed to the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    assert not any(t.is_alive() for t in threads), f"a rank is still waiting after {join_s}s: {out}"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hash", "tcp"])
+def test_every_rank_passes_every_agreement_and_a_late_rank_releases_the_others(kind, monkeypatch):
+    # with the board looked at every 1000 s, only the last rank's `done` mark can release the early ones
+    monkeypatch.setattr(collectives, "PEER_CHECK_INTERVAL_S", 1000.0)
+    stores = _stores(kind, 3)
+
+    def fn(scope):
+        times = []
+        for k in range(3):
+            if scope.rank == k:
+                time.sleep(0.2)  # this rank is the late one at agreement k
+            arrived = time.monotonic()
+            scope.agree(f"number {k}", timeout_s=60)
+            times.append((arrived, time.monotonic()))
+        return times
+
+    out = _on_ranks(stores, fn)
+    assert all(isinstance(o, list) and len(o) == 3 for o in out), out
+    for k in range(3):
+        late_arrival = out[k][k][0]
+        # nobody passes agreement k before the late rank reached it (and, with the board never looked at, the
+        # early ranks left only because its arrival woke them)
+        assert all(o[k][1] >= late_arrival for o in out), (k, out)
+
+
+@pytest.mark.parametrize("kind", ["hash", "tcp"])
+def test_a_rank_that_fails_wakes_the_ranks_waiting_at_the_agreement(kind, monkeypatch):
+    monkeypatch.setattr(collectives, "PEER_CHECK_INTERVAL_S", 1000.0)  # no board poll: the wake alone must do it
+    stores = _stores(kind, 3)
+
+    def fn(scope):
+        scope.agree("before the stages", timeout_s=60)
+        if scope.rank == 2:
+            time.sleep(0.2)
+            error = OSError("disk full")
+            scope.publish("offloaded_save", error)
+            return error
+        scope.agree("before `accelerate.save_state`", timeout_s=60)
+        return "passed"
+
+    out = _on_ranks(stores, fn)
+    assert isinstance(out[2], OSError), out
+    for rank in (0, 1):
+        err = out[rank]
+        assert isinstance(err, PeerStageError), out
+        assert err.failed_rank == 2 and err.stage == "offloaded_save" and not err.collective_abandoned
+        assert "OSError: disk full" in str(err) and "before `accelerate.save_state`" in str(err), err
+
+
+def test_a_rank_that_failed_before_its_peer_arrived_is_reported_at_once(monkeypatch):
+    monkeypatch.setattr(collectives, "PEER_CHECK_INTERVAL_S", 1000.0)
+    stores = _stores("tcp", 2)
+
+    def fn(scope):
+        if scope.rank == 1:
+            scope.publish("shard", RuntimeError("boom"))
+            return "published"
+        time.sleep(0.2)
+        scope.agree("before `accelerate.prepare`", timeout_s=60)
+
+    out = _on_ranks(stores, fn)
+    assert isinstance(out[0], PeerStageError) and out[0].failed_rank == 1 and "RuntimeError: boom" in str(out[0])
+
+
+@pytest.mark.parametrize("kind", ["hash", "tcp"])
+def test_a_rank_that_never_arrives_is_named_after_the_timeout(kind):
+    stores = _stores(kind, 3)
+
+    def fn(scope):
+        if scope.rank == 1:
+            return "stuck elsewhere"
+        start = time.monotonic()
+        try:
+            scope.agree("at the end of hook `prepare`", timeout_s=1.0)
+        except CollectiveTimeoutError as exc:
+            return exc, time.monotonic() - start
+
+    out = _on_ranks(stores, fn)
+    for rank in (0, 2):
+        err, waited = out[rank]
+        assert "rank(s) [1] never reached it" in str(err) and "collective_timeout_s=1s" in str(err), err
+        assert waited >= 1.0
+
+
+def test_the_waiting_rank_leaves_the_store_usable(monkeypatch):
+    """A TCPStore client holds its lock for the whole of a blocking wait: the agreement waits on a clone, so this
+    rank's other store traffic (the failure board, a stage's arrival marks) is not blocked meanwhile."""
+    stores = _stores("tcp", 2)
+    timings = {}
+
+    def fn(scope):
+        if scope.rank == 0:
+            scope.agree("before `accelerate.prepare`", timeout_s=60)
+            return "passed"
+        time.sleep(0.3)  # rank 0 is waiting now; its client must still answer at once
+        start = time.monotonic()
+        stores[0].set("probe", b"1")
+        timings["set"] = time.monotonic() - start
+        scope.agree("before `accelerate.prepare`", timeout_s=60)
+        return "passed"
+
+    out = _on_ranks(stores, fn)
+    assert out == ["passed", "passed"], out
+    assert timings["set"] < 5.0, timings
