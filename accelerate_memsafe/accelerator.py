@@ -323,16 +323,19 @@ _SUBCLASSES: dict[type, type] = {}
 
 def _ready_for_hooks() -> None:
     """Does, before the first hook, the once-per-process setup the hooks need: starts the memory probes' sampling
-    thread and the waiter of the ranks' agreements (with its own connection to the store), and, in a multi-process
-    run, the kernel checks behind the in-place proof of ``prepare`` (what the pagemap reports). Each is otherwise done
-    by the first hook that needs it, on its path."""
+    thread, finds this process's cgroups (where the preflight reads its memory limits), and, in a multi-process run,
+    starts the waiter of the ranks' agreements (with its own connection to the store) and runs the kernel checks behind
+    the in-place proof of ``prepare`` (what the pagemap reports). Each is otherwise done by the first hook that needs
+    it, on its path."""
     import torch.distributed as dist
 
     from .distributed.collectives import ready_to_agree
     from .io.mapped_pages import check_kernel_support
+    from .memory.limits import find_own_groups
     from .memory.probe import start_sampler
 
     start_sampler()
+    find_own_groups()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         ready_to_agree()
         check_kernel_support()

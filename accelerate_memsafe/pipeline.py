@@ -7,6 +7,7 @@ run before it (at the same hook), the stages it must ``run_before`` when both ar
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -110,6 +111,17 @@ class Stage:
         the stage starts and raises :class:`MemoryBudgetError` instead of starting work that cannot fit.
         """
         return None
+
+    def needs_estimate(self, ctx: HookContext) -> bool:
+        """Whether the preflight asks :meth:`estimate` at all, decided once every rank's announcements are known.
+
+        A stage that overrides this has its estimate asked *after* the preflight's exchange, only where this returns
+        ``True``, and its figures travel in a second, small exchange (made only then). Decide from the settings and
+        ``ctx.scratch[ANNOUNCED_KEY]`` only, which are the same on every rank, never from rank-local data: every rank
+        must reach the same answer. Worth it for a stage whose estimate costs a walk over the model and that the
+        announcements often rule out (``rank0_distribute`` does not run where every rank keeps its weights in place).
+        """
+        return True
 
     def __repr__(self) -> str:
         return f"<stage {self.name}>"
@@ -448,7 +460,9 @@ class Pipeline:
         (:meth:`Stage.announce`). The ranks exchange their estimates, limits and announcements once, so every rank
         reaches the same verdict (one rank refusing never leaves the others waiting in a collective), and ranks
         that share a CPU limit are checked against it together. Whether the exchange happens depends on the stages
-        and the options only (the same on every rank), never on what a rank found."""
+        and the options only (the same on every rank), never on what a rank found. A stage whose estimate waits for
+        the announcements (:meth:`Stage.needs_estimate`) is asked after the exchange, and its figures take a second
+        exchange only where some such stage needs one (decided from the announcements: the same on every rank)."""
         options = ctx.options
         if options is None:
             return
@@ -459,23 +473,28 @@ class Pipeline:
         stages = [s for s in hook_stages if check and type(s).estimate is not Stage.estimate]
         if not stages and not announcing:
             return
+        # a stage that decides from the announcements whether it needs an estimate is asked after the exchange
+        later = [s for s in stages if type(s).needs_estimate is not Stage.needs_estimate]
         estimates = {}
         for stage in stages:
-            est = stage.estimate(ctx)
-            if est is not None:
-                estimates[stage.name] = est
+            if stage not in later:
+                est = stage.estimate(ctx)
+                if est is not None:
+                    estimates[stage.name] = est
         ctx.scratch.setdefault("estimates", {}).update(estimates)
         ctx.scratch[ANNOUNCED_KEY] = {name: [value] for name, value in announced.items()}
-        if not estimates and ctx.world_size == 1:
+        import torch.distributed as dist
+
+        peers = ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if not estimates and not later and not peers:
             return  # nothing to check (with peers, every rank still takes part in the exchange)
         mine = None
         if stages:
             limit, dev_free = available_memory(ctx.device)
             mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
         budgets = [mine]
-        import torch.distributed as dist
-
-        if ctx.world_size > 1 and dist.is_available() and dist.is_initialized():
+        coll = None
+        if peers:
             from .distributed.collectives import Collectives
 
             coll = Collectives("preflight", timeout_s=options.collective_timeout_s)
@@ -483,6 +502,17 @@ class Pipeline:
                                               "and the stages' announcements")
             budgets = [budget for budget, _ in everyone]
             ctx.scratch[ANNOUNCED_KEY] = {name: [theirs[name] for _, theirs in everyone] for name in announced}
+        later = [s for s in later if s.needs_estimate(ctx)]  # the same stages on every rank
+        if later:
+            more = {}
+            for stage in later:
+                est = stage.estimate(ctx)
+                if est is not None:
+                    more[stage.name] = est
+            ctx.scratch["estimates"].update(more)
+            theirs = [more] if coll is None else coll.all_gather_object(
+                more, what="exchange of the memory estimates that waited for the announcements")
+            budgets = [dataclasses.replace(b, estimates={**b.estimates, **t}) for b, t in zip(budgets, theirs)]
         if not stages:
             return
         from .env import launch_env

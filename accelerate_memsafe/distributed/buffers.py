@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import walk
 from ..errors import StageError
 from .collectives import Collectives
 
@@ -66,7 +67,7 @@ class BufferStats:
 
 def _non_persistent(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
     out, seen = [], set()
-    for mod_name, mod in model.named_modules():
+    for mod_name, mod in walk.named_modules(model):
         for local, b in mod._buffers.items():
             if b is None or local not in mod._non_persistent_buffers_set or id(b) in seen:
                 continue

@@ -25,15 +25,17 @@ leader what it cannot read.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .. import walk
 from ..errors import CheckpointError
 from ..io.safetensors_source import SafetensorsSource
 from .collectives import Collectives
@@ -44,15 +46,15 @@ from .topology import Nodes
 LOAD_SOURCES = ("auto", "rank0", "node", "every_rank")
 
 
-def checkpoint_identity(source: SafetensorsSource) -> list[tuple[str, int, int, str]]:
-    """Per file of the checkpoint: ``(name, size, mtime_ns, sha256 of its header)``.
+def checkpoint_identity(source: SafetensorsSource | list[str]) -> list[tuple[str, int, int, str]]:
+    """Per file of the checkpoint (a source, or its files): ``(name, size, mtime_ns, sha256 of its header)``.
 
     Example:
         >>> # checkpoint_identity(SafetensorsSource("ckpt/"))[0][0]
         >>> # 'model.safetensors'
     """
     out = []
-    for file in source.files:
+    for file in source.files if isinstance(source, SafetensorsSource) else source:
         st = os.stat(file)
         with open(file, "rb") as f:
             raw = f.read(8)
@@ -156,10 +158,6 @@ class InPlace:
     in_place: bool
     why: str | None = None
     """Why not (``None`` when in place)."""
-    rank0_checkpoint: SafetensorsSource | None = None
-    """On rank 0, when not in place: its checkpoint, for ``meta_placement`` to reuse (``None`` elsewhere)."""
-    rank0_names: set[str] = field(default_factory=set)
-    """On rank 0, with ``rank0_checkpoint``: the names proved to be the checkpoint's unmodified bytes."""
 
 
 def named_weights(model: nn.Module, layout: list | None = None) -> dict[str, torch.Tensor]:
@@ -177,7 +175,7 @@ def named_weights(model: nn.Module, layout: list | None = None) -> dict[str, tor
 
     detached: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
+    for mod_name, mod in walk.named_modules(model, remove_duplicate=False):
         tensors = [(k, p, True) for k, p in mod._parameters.items() if p is not None]
         tensors += [(k, b, False) for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set]
         for local, t, is_param in tensors:
@@ -198,69 +196,97 @@ def _would_upcast(model: nn.Module, mixed_precision: str) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad and p.dtype != torch.float32]
 
 
-def _in_place_token(model: nn.Module, rank: int, mixed_precision: str) -> tuple[Any, str | None, tuple[Any, set[str]]]:
-    """This rank's ``(token, why not, (checkpoint, names))``: the token (checkpoint path, identity, and a digest of
-    every weight's name, shape, dtype and ``requires_grad``) when every weight it holds is an unmodified view of
-    one mapped checkpoint, else ``None`` and why."""
-    from .meta import checkpoint_source_names
+def in_place_claim(model: nn.Module, rank: int, *, mixed_precision: str) -> tuple[Any, str | None]:
+    """This rank's side of :func:`agree_on_in_place`, before any exchange: the small ``(token, why not)`` every rank
+    sends. The token is set when every weight this rank holds is an unmodified view of a mapped ``.safetensors``
+    file (else ``None``, and why not).
+
+    The token is what makes two ranks' bytes provably equal without sending them: the files' real paths and
+    identities (:func:`checkpoint_identity`: size, modification time, a hash of the header), and a digest of every
+    weight's name, shape, dtype and ``requires_grad`` *and of where its bytes lie in those files* (file, offset).
+    Ranks with equal tokens hold, under every name, the same unmodified range of the same file (the kernel's page
+    record, :func:`~accelerate_memsafe.io.mapped_pages.unmodified_file_pages`: an in-place edit keeps the address),
+    so the same bytes. A weight swapped for another one of the same shape still maps the file, at another offset:
+    the digests differ. No header is parsed: where the bytes lie is all the proof needs."""
+    from ..io.mapped_pages import file_mappings_at, unmodified_file_pages
 
     upcast = _would_upcast(model, mixed_precision)
     if upcast:
         return None, (f"rank {rank}: mixed precision makes accelerate cast {len(upcast)} weight(s) to fp32 (e.g. "
-                      f"`{upcast[0]}`), a private copy of each"), (None, set())
+                      f"`{upcast[0]}`), a private copy of each")
     layout: list = []
     tensors = named_weights(model, layout)
     off = next((n for n, t in tensors.items() if t.device.type != "cpu"), None)
     if off is not None:
-        return None, f"rank {rank}: `{off}` is on {tensors[off].device}, not mapped from a file", (None, set())
-    checkpoint, names = checkpoint_source_names(tensors, getattr(model, "_memsafe_checkpoint", None))
+        return None, f"rank {rank}: `{off}` is on {tensors[off].device}, not mapped from a file"
     by_tensor: dict[int, list[str]] = {}
     for n, t in tensors.items():
         by_tensor.setdefault(id(t), []).append(n)
-    unproved = [aliases[0] for aliases in by_tensor.values() if not names.intersection(aliases)]
-    if checkpoint is None or unproved:
-        first = unproved[0] if unproved else next(iter(tensors), "?")
+    maps = file_mappings_at((t.data_ptr() for t in tensors.values()), ".safetensors")
+    starts = [lo for lo, _, _, _ in maps]
+    where: dict[int, tuple[str, int]] = {}  # tensor -> (file, offset of its first byte)
+    spans: list[tuple[int, int]] = []
+    unproved: list[str] = []
+    for key, aliases in by_tensor.items():
+        t = tensors[aliases[0]]
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        k = bisect.bisect_right(starts, ptr) - 1
+        if not nbytes or not t.is_contiguous() or k < 0 or ptr + nbytes > maps[k][1]:
+            unproved.append(aliases[0])  # not a view of one mapping of a checkpoint file
+            continue
+        lo, _, offset, path = maps[k]
+        where[key] = (path, ptr - lo + offset)
+        spans.append((ptr, ptr + nbytes))
+    written = [key for key, ok in zip(where, unmodified_file_pages(spans, maps)) if not ok]
+    unproved += [by_tensor[key][0] for key in written]
+    if unproved or not by_tensor:
+        first = unproved[0] if unproved else "?"
         return None, (f"rank {rank}: {len(unproved) or len(by_tensor)} weight(s) are not unmodified views of a mapped "
-                      f"safetensors checkpoint (e.g. `{first}`: loaded another way, cast, or written in place)"), \
-            (checkpoint, names)
-    digest = hashlib.sha256(repr(layout).encode()).hexdigest()
-    return (os.path.abspath(checkpoint.path), checkpoint_identity(checkpoint), digest), None, (checkpoint, names)
+                      f"safetensors checkpoint (e.g. `{first}`: loaded another way, cast, or written in place)")
+    files = sorted({path for path, _ in where.values()})
+    index = {path: i for i, path in enumerate(files)}
+    places = [(n, index[where[id(t)][0]], where[id(t)][1]) for n, t in tensors.items()]
+    digest = hashlib.sha256(repr((layout, places)).encode()).hexdigest()
+    return (tuple(files), checkpoint_identity(files), digest), None
 
 
-def in_place_claim(model: nn.Module, rank: int, *, mixed_precision: str) -> tuple[tuple[Any, str | None], Any]:
-    """This rank's side of :func:`agree_on_in_place`, before any exchange: ``(claim, local)``, where ``claim`` is
-    the small ``(token, why not)`` every rank sends and ``local`` what :func:`decide_in_place` needs of this rank
-    afterwards (its checkpoint and the names proved on it)."""
-    token, why, local = _in_place_token(model, rank, mixed_precision)
-    return (token, why), local
+def in_place_verdict(everyone: list[tuple[Any, str | None] | None]) -> str | None:
+    """Why the weights cannot stay in place, from every rank's claim (:func:`in_place_claim`, in rank order;
+    ``None`` for a rank that made none), or ``None`` when they can: a function of the claims alone, so the same on
+    every rank (``rank0_distribute`` asks it before its estimate: in place, it does not run).
 
-
-def decide_in_place(everyone: list[tuple[Any, str | None]], rank: int, local: Any) -> InPlace:
-    """The decision of :func:`agree_on_in_place` from every rank's claim (in rank order), the same on every rank.
-    Closes this rank's checkpoint unless rank 0 keeps it for the rank-0 load."""
-    checkpoint, names = local
+    Example:
+        >>> token = ("/ckpt", ("id",), "digest")
+        >>> in_place_verdict([(token, None), (token, None)]) is None
+        True
+        >>> in_place_verdict([(token, None), None])
+        "rank 1 made no claim (other settings than rank 0's?)"
+    """
     everyone = [c if c is not None else (None, f"rank {r} made no claim (other settings than rank 0's?)")
                 for r, c in enumerate(everyone)]
     ref = everyone[0][0]
     whys = [w for _, w in everyone if w]
     if ref is not None:
         whys += [f"rank {r} maps another checkpoint or model than rank 0" for r, (t, w) in enumerate(everyone) if not w and t != ref]
-    if not whys or rank != 0:
-        if checkpoint is not None:
-            checkpoint.close()
-        return InPlace(True) if not whys else InPlace(False, "; ".join(whys[:3]))
-    return InPlace(False, "; ".join(whys[:3]), checkpoint, names if checkpoint is not None else set())
+    return "; ".join(whys[:3]) if whys else None
+
+
+def decide_in_place(everyone: list[tuple[Any, str | None] | None]) -> InPlace:
+    """The decision of :func:`agree_on_in_place` from every rank's claim (in rank order), the same on every rank
+    (:func:`in_place_verdict`)."""
+    why = in_place_verdict(everyone)
+    return InPlace(why is None, why)
 
 
 def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: str) -> InPlace:
     """Decides, identically on every rank, whether ``fully_shard`` may keep each rank's own rows of the model it
     holds (no weight to ``meta``, none read again or sent).
 
-    It may when every rank holds every weight as an unmodified view of the same checkpoint (the address *and* the
-    kernel's page record, :func:`~accelerate_memsafe.distributed.meta.checkpoint_source_names`, on each rank: an
-    edit on any rank disqualifies), every rank sees the same files (:func:`checkpoint_identity`), the same names,
-    shapes, dtypes and ``requires_grad`` flags, and no weight is cast to fp32 under mixed precision: then every
-    rank's bytes are rank 0's. One all-gather of a small claim per rank (:func:`in_place_claim`, decided by
+    It may when every rank holds every weight as an unmodified view of the same files (the address *and* the
+    kernel's page record on each rank: an edit on any rank disqualifies), every rank sees the same files
+    (:func:`checkpoint_identity`), the same names, shapes, dtypes and ``requires_grad`` flags, each name at the same
+    place of the same file, and no weight is cast to fp32 under mixed precision: then every rank's bytes are rank
+    0's. One all-gather of a small claim per rank (:func:`in_place_claim`, decided by
     :func:`decide_in_place`; ``meta_placement`` sends its claim with the pipeline's preflight exchange instead).
 
     Args:
@@ -269,11 +295,11 @@ def agree_on_in_place(coll: Collectives, model: nn.Module, *, mixed_precision: s
         mixed_precision: accelerate's setting (``"no"``, ``"bf16"``, ``"fp16"``).
 
     Returns:
-        The decision; on rank 0, when not in place, its checkpoint and proven names for the rank-0 load to reuse.
+        The decision.
     """
-    claim, local = in_place_claim(model, coll.rank, mixed_precision=mixed_precision)
+    claim = in_place_claim(model, coll.rank, mixed_precision=mixed_precision)
     everyone = coll.all_gather_object(claim, what="all_gather of whether every rank holds rank 0's mapped bytes")
-    return decide_in_place(everyone, coll.rank, local)
+    return decide_in_place(everyone)
 
 
 class MappedParameterPages:

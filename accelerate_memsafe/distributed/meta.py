@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import walk
 from ..errors import CheckpointError
 from .collectives import Collectives
 from .sharding import canonical_name
@@ -234,7 +235,7 @@ def parallelism_blocks_meta_placement(model: Any, parallelism_config: Any) -> st
     """
     from torch.distributed.tensor import DTensor
 
-    already = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None) if model is not None else None
+    already = next((n for n, p in walk.named_parameters(model) if isinstance(p, DTensor)), None) if model is not None else None
     if already is not None:
         return (f"the model is already distributed (`{already}` is a DTensor, e.g. loaded with `tp_plan`): each rank "
                 "holds its own part, there is nothing for rank 0 to send")

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .. import _compat
+from .. import _compat, walk
 
 
 def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, parallelism_config: Any = None) -> str | None:
@@ -109,7 +109,7 @@ def remap_optimizer_params(optimizers: list[torch.optim.Optimizer], old: dict[st
 
 def named_parameters_canonical(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """``dict(model.named_parameters())`` with canonical names (tied parameters appear once)."""
-    return {canonical_name(n): p for n, p in model.named_parameters()}
+    return {canonical_name(n): p for n, p in walk.named_parameters(model)}
 
 
 def _implements_forward(module: torch.nn.Module) -> bool:

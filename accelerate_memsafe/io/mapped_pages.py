@@ -150,13 +150,7 @@ def file_mappings_at(addresses: Iterable[int], path_suffix: str = "", *, resolve
         []
     """
     pid = os.getpid()
-    if pid not in _MAPS_FD:
-        try:
-            _MAPS_FD.clear()
-            _MAPS_FD[pid] = os.open(_MAPS, os.O_RDONLY)
-        except OSError:
-            _MAPS_FD[pid] = None
-    fd = _MAPS_FD[pid]
+    fd = _maps_fd()
     if fd is None:
         return file_mappings(path_suffix, resolve=resolve)
     name = ctypes.create_string_buffer(4096)
@@ -191,11 +185,24 @@ def file_backed_ranges() -> list[tuple[int, int]]:
 
 def check_kernel_support() -> None:
     """Runs, once per process, the checks of what this kernel's pagemap reports (:func:`unmodified_file_pages` asks
-    them at its first call): called when a multi-process memsafe accelerator is built, so that the first ``prepare``
-    does not pay for them. Never raises."""
+    them at its first call) and opens ``/proc/self/maps`` for :func:`file_mappings_at`: called when a multi-process
+    memsafe accelerator is built, so that the first ``prepare`` does not pay for them. Never raises."""
     _pagemap_reports_private_writes()
     _scan_reports_private_writes()
     libc()
+    _maps_fd()
+
+
+def _maps_fd() -> int | None:
+    """This process's open ``/proc/self/maps`` (``None`` where it cannot be opened), opened once per process."""
+    pid = os.getpid()
+    if pid not in _MAPS_FD:
+        try:
+            _MAPS_FD.clear()
+            _MAPS_FD[pid] = os.open(_MAPS, os.O_RDONLY)
+        except OSError:
+            _MAPS_FD[pid] = None
+    return _MAPS_FD[pid]
 
 
 @functools.cache

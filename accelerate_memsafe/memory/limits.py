@@ -35,7 +35,8 @@ class CpuLimit:
 
 def _read_int(path: Path) -> int | None:
     try:
-        text = path.read_text().strip()
+        with open(path, "rb") as f:
+            text = f.read().decode("ascii", "replace").strip()
     except OSError:
         return None
     if text == "max":
@@ -86,33 +87,89 @@ def _group_dirs(proc_cgroup: Path, root: Path) -> list[tuple[str, Path]]:
     return found
 
 
+@dataclass(frozen=True)
+class _Level:
+    """One cgroup directory that may hold a memory limit binding this process, and the files to read there."""
+
+    directory: Path
+    limit: Path
+    usage: Path
+    stat: Path
+    keys: tuple[str, ...]
+
+
+def _discover(proc_cgroup: Path, root: Path) -> list[_Level]:
+    out = []
+    for version, leaf in _group_dirs(proc_cgroup, root):
+        mount = root if version == "v2" else root / "memory"
+        for d in _levels(leaf, mount):
+            if version == "v2":
+                out.append(_Level(d, d / "memory.max", d / "memory.current", d / "memory.stat", ("inactive_file",)))
+            else:
+                out.append(_Level(d, d / "memory.limit_in_bytes", d / "memory.usage_in_bytes", d / "memory.stat",
+                                  ("total_inactive_file", "inactive_file")))
+    return out
+
+
+# the directories of this process's own groups (by pid: a forked child may be moved): where the limits are is found
+# once, what they are is read at every call
+_OWN_LEVELS: dict[int, list[_Level]] = {}
+_OWN = (Path("/proc/self/cgroup"), Path("/sys/fs/cgroup"))
+
+
+def find_own_groups() -> None:
+    """Looks up, once per process, where this process's cgroups and their parents are (:func:`cgroup_limits` reads
+    their limits at every call): called when a memsafe accelerator is built, so that the first hook does not pay
+    for it. Never raises."""
+    try:
+        cgroup_limits()
+    except Exception:
+        pass
+
+
 def cgroup_limits(proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
                   root: str | os.PathLike = "/sys/fs/cgroup") -> list[tuple[Path, int, int]]:
     """Every memory limit that binds this process: ``(directory, limit, usage)`` in bytes, where usage
     leaves out the inactive file pages the kernel would reclaim first.
 
+    The groups of this process and their parents are looked up once per process; their limits and usage are read
+    at every call (the preflight asks at every hook), the usage and the long ``memory.stat`` only under a limit.
+
     Example:
         >>> cgroup_limits("/nonexistent")
         []
     """
-    root = Path(root)
+    key = (Path(proc_cgroup), Path(root))
+    if key == _OWN:
+        levels = _OWN_LEVELS.get(os.getpid())
+        if levels is None:
+            _OWN_LEVELS.clear()
+            levels = _OWN_LEVELS[os.getpid()] = _discover(*key)
+    else:
+        levels = _discover(*key)
     out = []
-    for version, leaf in _group_dirs(Path(proc_cgroup), root):
-        mount = root if version == "v2" else root / "memory"
-        for d in _levels(leaf, mount):
-            # the usage and the long memory.stat are read only under a limit (the preflight asks at every hook)
-            limit = _read_int(d / ("memory.max" if version == "v2" else "memory.limit_in_bytes"))
-            if limit is None or limit >= _NO_LIMIT:
-                continue
-            if version == "v2":
-                usage = _read_int(d / "memory.current")
-                keys: tuple[str, ...] = ("inactive_file",)
-            else:
-                usage = _read_int(d / "memory.usage_in_bytes")
-                keys = ("total_inactive_file", "inactive_file")
-            if usage is not None:
-                out.append((d, limit, max(0, usage - _stat_value(d / "memory.stat", keys))))
+    for level in levels:
+        limit = _read_int(level.limit)
+        if limit is None or limit >= _NO_LIMIT:
+            continue
+        usage = _read_int(level.usage)
+        if usage is not None:
+            out.append((level.directory, limit, max(0, usage - _stat_value(level.stat, level.keys))))
     return out
+
+
+def _mem_available() -> int:
+    """The host's ``MemAvailable`` (one line of ``/proc/meminfo``; ``psutil`` where there is none)."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def cpu_memory_limit(host_available: int | None = None, *, proc_cgroup: str | os.PathLike = "/proc/self/cgroup",
@@ -131,9 +188,7 @@ def cpu_memory_limit(host_available: int | None = None, *, proc_cgroup: str | os
     import socket
 
     if host_available is None:
-        import psutil
-
-        host_available = psutil.virtual_memory().available
+        host_available = _mem_available()
     node = hostname or socket.gethostname()
     best = CpuLimit(host_available, "MemAvailable of the host", node)
     for d, limit, usage in cgroup_limits(proc_cgroup, root):

@@ -12,9 +12,9 @@ The device peak is measured without touching the allocator's peak statistics: th
 When the region stayed below an earlier high-water mark, a transient peak shorter than the sampling
 interval can be missed; the figure is then a lower bound.
 
-The CPU RSS peak follows the same rule with the kernel's ``VmHWM``, which the probe never resets (a reset
-through ``/proc/self/clear_refs`` would lower the figure the user's own tools read): the sampled peak,
-raised to ``VmHWM`` when ``VmHWM`` rose during the region.
+The CPU RSS peak follows the same rule with the kernel's ``VmHWM`` (read as ``getrusage``'s ``ru_maxrss``), which
+the probe never resets (a reset through ``/proc/self/clear_refs`` would lower the figure the user's own tools read):
+the sampled peak, raised to the high-water mark when it rose during the region.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .procfs import malloc_trim, read_proc_memory, read_rss_anon
+from .procfs import malloc_trim, read_probe_memory, read_rss_anon
 from .tracker import LiveTensorTracker
 
 #: Default sampling interval of a probe made directly. 2 ms catches transient peaks of a few hundred MB at memcpy
@@ -205,7 +205,7 @@ class MemoryProbe:
     def __enter__(self) -> MemoryProbe:
         if self.trim_heap:
             malloc_trim()
-        self._start_mem = read_proc_memory()
+        self._start_mem = read_probe_memory()
         self._dev = _device_module(self.device)
         if self._dev is not None:
             self._dev_device = _device_index(self._dev, self.device)
@@ -230,7 +230,7 @@ class MemoryProbe:
             _SAMPLER.remove(self)
             self._sampling = False
         self._sample()
-        end = read_proc_memory()
+        end = read_probe_memory()
         start = self._start_mem
         samples = self._in_region(wall)
         rss_peak = anon_peak = None

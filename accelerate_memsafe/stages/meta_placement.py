@@ -17,6 +17,7 @@ accelerate keeps each rank's own copy, which only works if they are all equal an
 
 from __future__ import annotations
 
+from .. import walk
 from ..distributed.sharding import fsdp2_prepare_skip_reason
 from ..distributed.collectives import Collectives
 from ..distributed.local_read import agree_on_in_place, decide_in_place, in_place_claim
@@ -36,7 +37,7 @@ SOURCE_KEY = "rank0_source"
 PLACED_KEY = "meta_placed"
 #: ``ctx.scratch`` key set on every rank when every rank's weights were left in place (rank 0's bytes already).
 IN_PLACE_KEY = "weights_in_place"
-#: ``ctx.scratch`` key of this rank's side of the in-place claim it announced (its checkpoint and proved names).
+#: ``ctx.scratch`` key set on a rank that announced its in-place claim in the preflight exchange.
 _CLAIM_KEY = "in_place_claim"
 #: ``ctx.scratch`` key of ``(model, skip reason)``: :meth:`MetaPlacementStage.skip_reason` for that model.
 _SKIP_KEY = "meta_placement_skip_reason"
@@ -75,7 +76,7 @@ class MetaPlacementStage(Stage):
             return None
         if ctx.rank != 0 and self.in_place_blocker(ctx) is not None:
             return None
-        held = sum(p.numel() * p.element_size() for p in ctx.model.parameters() if p.device.type == "cpu")
+        held = sum(p.numel() * p.element_size() for p in walk.parameters(ctx.model) if p.device.type == "cpu")
         return MemoryEstimate(cpu_bytes=pagemap_scan_bytes(held), what="this rank's pagemap scan of the weights it maps")
 
     def in_place_blocker(self, ctx: HookContext) -> str | None:
@@ -97,8 +98,8 @@ class MetaPlacementStage(Stage):
         ``None`` when the stage will skip or the settings rule the in-place path out (the same on every rank)."""
         if self.skip_reason(ctx) is not None or self.in_place_blocker(ctx) is not None:
             return None
-        claim, ctx.scratch[_CLAIM_KEY] = in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
-        return claim
+        ctx.scratch[_CLAIM_KEY] = True
+        return in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
 
     def run(self, ctx: HookContext) -> StageOutcome:
         coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
@@ -107,22 +108,20 @@ class MetaPlacementStage(Stage):
         if blocker:
             decision = None
         elif claims is not None and len(claims) == ctx.world_size and _CLAIM_KEY in ctx.scratch:
-            decision = decide_in_place(claims, ctx.rank, ctx.scratch.pop(_CLAIM_KEY))
+            ctx.scratch.pop(_CLAIM_KEY)
+            decision = decide_in_place(claims)
         else:  # run outside a pipeline's preflight: the ranks exchange their claims here
             decision = agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
         if decision is not None and decision.in_place:
             ctx.scratch[IN_PLACE_KEY] = True
-            return ran(in_place=True, tensors=len({id(p) for p in ctx.model.parameters()}))
+            return ran(in_place=True, tensors=len(walk.parameters(ctx.model)))
         reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0
         originals = move_to_meta(ctx.model, ctx.optimizers, reference, keep=is_src)
         details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference), "in_place": False,
                    "not_in_place_because": blocker or decision.why}
         if is_src:
-            if decision is not None and decision.rank0_checkpoint is not None:  # proved on these very tensors
-                checkpoint, names = decision.rank0_checkpoint, decision.rank0_names
-            else:
-                checkpoint, names = checkpoint_source_names(originals, getattr(ctx.model, "_memsafe_checkpoint", None))
+            checkpoint, names = checkpoint_source_names(originals, getattr(ctx.model, "_memsafe_checkpoint", None))
             ctx.scratch[SOURCE_KEY] = Rank0Source(originals, checkpoint, names)
             details["from_checkpoint"] = len(names)
         ctx.scratch[PLACED_KEY] = True

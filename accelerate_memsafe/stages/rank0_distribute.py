@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..distributed.collectives import Collectives
-from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless
+from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless, in_place_verdict
 from ..distributed.scatter import distribute_from_rank0
 from ..distributed.topology import find_nodes
 from ..memory.estimate import distribute_peak, layout, tensors_of_model
-from ..pipeline import HookContext, MemoryEstimate, Stage, StageOutcome, ran
-from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY
+from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageOutcome, ran
+from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY, MetaPlacementStage
 
 
 class Rank0DistributeStage(Stage):
@@ -25,6 +25,13 @@ class Rank0DistributeStage(Stage):
     requires = ("shard",)
     run_before = ("buffer_init",)
     summary = "rank 0 scatters each rank's shard in bounded buckets"
+
+    def needs_estimate(self, ctx: HookContext) -> bool:
+        # asked after the preflight exchange: where every rank claimed to hold rank 0's mapped bytes (`meta_placement`'s
+        # announcements), the weights stay in place and this stage does not run, so its estimate (a walk over the
+        # model's tensors and the bucket plan) would check a need that never comes
+        claims = ctx.scratch.get(ANNOUNCED_KEY, {}).get(MetaPlacementStage.name)
+        return not (claims is not None and len(claims) == ctx.world_size and in_place_verdict(claims) is None)
 
     def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
         # called before any prepare stage ran: parameters still have their full shapes

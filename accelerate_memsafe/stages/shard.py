@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import walk
 from ..distributed.local_read import MappedParameterPages
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
 from ..pipeline import HookContext, Stage, StageOutcome, ran
@@ -50,8 +51,8 @@ class ShardStage(Stage):
             on_group=pages.formed if pages is not None else None,
         )
         ctx.scratch["sharded"] = True
-        n_params = sum(1 for _ in ctx.model.parameters())
+        params = walk.parameters(ctx.model)
         with torch.no_grad():  # DTensor.to_local() without autograd returns the local tensor as it is
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in ctx.model.parameters())
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
         dropped = {"file_pages_dropped_bytes": pages.bytes_dropped} if pages is not None else {}
-        return ran(parameters=n_params, local_elements=local, world_size=ctx.world_size, **tp_details, **dropped)
+        return ran(parameters=len(params), local_elements=local, world_size=ctx.world_size, **tp_details, **dropped)

@@ -43,3 +43,18 @@ def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchan
         assert len(res["collectives"]) == 1, res["collectives"]  # small objects: one all-gather, no second part
         assert "announcements" in res["collectives"][0]
         assert res["estimates"] == (["announcing"] if check else [])
+
+
+@pytest.mark.parametrize("needed", [True, False], ids=["needed", "ruled_out"])
+def test_an_estimate_that_waits_for_the_announcements_takes_a_second_exchange_only_where_needed(needed):
+    # `needs_estimate` decides from what every rank announced (rank 1's 10), the same on every rank: a stage it rules
+    # out costs no estimate and no second exchange; one it needs has its figure asked after the exchange and sent
+    # in a second one
+    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=True, later=10 if needed else 99)
+    for rank, res in enumerate(results):
+        assert res["announced"] == [{"value": 0}, {"value": 10}]
+        assert len(res["collectives"]) == (2 if needed else 1), res["collectives"]
+        assert res["estimates"] == (["announcing", "later"] if needed else ["announcing"])
+        assert res["later_cpu"] == ((rank + 1) << 20 if needed else 0)
+        if needed:
+            assert "waited for the announcements" in res["collectives"][1]

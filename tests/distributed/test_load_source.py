@@ -118,6 +118,21 @@ def test_an_edit_on_any_rank_stops_the_in_place_path_and_rank0s_model_wins(small
     assert results[0]["loss"] == results[1]["loss"]
 
 
+@pytest.mark.parametrize("swap_on", [0, 1])
+def test_weights_swapped_on_any_rank_stop_the_in_place_path_and_rank0s_model_wins(small_llama_dir, swap_on):
+    # both weights are still unmodified views of the file, each under the other's name: the claim proves where each
+    # name's bytes lie in the file, so the ranks' claims differ; rank 0's arrangement reaches every rank
+    swap = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight")
+    results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir),
+                           loader="hf", full=True, swap=swap, swap_on=swap_on, plugin_kwargs={"load_source": "auto"})
+    for rank, res in enumerate(results):
+        placement = _record(res, rank, "meta_placement")["details"]
+        assert placement["in_place"] is False
+        assert placement["not_in_place_because"] == "rank 1 maps another checkpoint or model than rank 0"
+        assert res["differs_from_single_process"] == [], f"rank {rank} does not hold rank 0's model"
+    assert results[0]["loss"] == results[1]["loss"]
+
+
 def test_mixed_precision_upcast_keeps_the_meta_path(tmp_path):
     # accelerate would cast every bf16 weight to fp32 master weights: a private full copy on every rank; the meta
     # path casts each rank's own rows only

@@ -61,6 +61,24 @@ def test_preflight_refuses_on_every_rank_before_anything_is_modified(tiny_llama_
         assert res["unchanged"], "no parameter may be moved or modified"
 
 
+def test_preflight_asks_no_estimate_of_a_stage_the_announcements_rule_out(tiny_llama_dir):
+    """Every rank holds rank 0's mapped bytes (transformers' zero-copy load): the weights stay in place and
+    `rank0_distribute` does not run, so a budget that holds the in-place path's needs but not the distribution's
+    prepares (its estimate is not even computed); with `load_source="rank0"` the same budget is refused, naming it."""
+    budget = 64 * 1024  # the pagemap scan of a few hundred KiB of weights fits, the distribution's buffers do not
+    stock_like = run_on_ranks(workers.prepare_with_tiny_budget, 2, init_process_group=False, timeout=120,
+                              model_dir=str(tiny_llama_dir), rank0_bytes=budget, load_source="auto")
+    for res in stock_like:
+        assert res["message"] is None, res["message"]
+        assert res["asked"] == ["meta_placement"], res["asked"]
+    refused = run_on_ranks(workers.prepare_with_tiny_budget, 2, init_process_group=False, timeout=120,
+                           model_dir=str(tiny_llama_dir), rank0_bytes=budget, load_source="rank0")
+    for res in refused:
+        assert res["message"] is not None and res["unchanged"]
+        assert "stage `rank0_distribute` at hook `prepare` on rank 0 would not fit" in res["message"]
+        assert "rank0_distribute" in res["asked"], res["asked"]
+
+
 def test_preflight_counts_the_ranks_that_share_a_cgroup_together(tiny_llama_dir):
     """Two ranks in one pod: a limit that holds either rank's estimate but not both is refused, naming
     the shared limit; a limit that holds both passes."""

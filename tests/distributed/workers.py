@@ -48,10 +48,11 @@ def prepare_tiny_llama(rank: int, world_size: int, *, model_dir: str, attach: bo
     }
 
 
-def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str, shared_bytes: int | None = None) -> dict[str, Any]:
-    """Rank 0 pretends to sit in a cgroup with 1 KiB free (the tiny model needs a few hundred KiB); or
-    (``shared_bytes``) both ranks share one cgroup with that much free. Every rank must refuse prepare
-    before touching the model."""
+def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str, shared_bytes: int | None = None,
+                             rank0_bytes: int = 1024, load_source: str = "rank0") -> dict[str, Any]:
+    """Rank 0 pretends to sit in a cgroup with ``rank0_bytes`` free (1 KiB: the tiny model needs a few hundred KiB);
+    or (``shared_bytes``) both ranks share one cgroup with that much free. Where that is too little, every rank
+    must refuse prepare before touching the model. Returns which stages' estimates the preflight asked for."""
     import torch
     from accelerate.utils import FullyShardedDataParallelPlugin
     from transformers import AutoModelForCausalLM
@@ -65,19 +66,23 @@ def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str, shar
         limit = CpuLimit(shared_bytes, "cgroup memory.max of /sys/fs/cgroup/pod (test)", "node:pod")
         pipeline.available_memory = lambda device: (limit, None)
     elif rank == 0:
-        limit = CpuLimit(1024, "cgroup memory.max of /sys/fs/cgroup/rank0 (test)", "node:rank0")
+        limit = CpuLimit(rank0_bytes, "cgroup memory.max of /sys/fs/cgroup/rank0 (test)", "node:rank0")
         pipeline.available_memory = lambda device: (limit, None)
     estimates = []
     real_estimate = pipeline.Pipeline._preflight
+
+    asked = []
 
     def spy(self, ctx):
         try:
             return real_estimate(self, ctx)
         finally:
             estimates.append(ctx.scratch.get("estimates", {}).get("rank0_distribute"))
+            asked.append(sorted(ctx.scratch.get("estimates", {})))
 
     pipeline.Pipeline._preflight = spy
-    accelerator = Accelerator(plugins=[MemSafePlugin()], fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    accelerator = Accelerator(plugins=[MemSafePlugin(load_source=load_source)],
+                              fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -92,7 +97,8 @@ def prepare_with_tiny_budget(rank: int, world_size: int, *, model_dir: str, shar
     unchanged = message is not None and all(p.device.type != "meta" and torch.equal(before[n], p)
                                             for n, p in model.named_parameters())
     est = estimates[0] if estimates else None
-    return {"message": message, "unchanged": unchanged, "cpu_estimate": est.cpu_bytes if est else None}
+    return {"message": message, "unchanged": unchanged, "cpu_estimate": est.cpu_bytes if est else None,
+            "asked": asked[0] if asked else None}
 
 
 def object_collectives(rank: int, world_size: int, *, sizes: list[int]) -> dict[str, Any]:
@@ -137,9 +143,10 @@ def exchanges_through_one_waiter(rank: int, world_size: int, *, rounds: int) -> 
     return {"got": got, "waiters": len(waiters)}
 
 
-def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool) -> dict[str, Any]:
+def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, later: int | None = None) -> dict[str, Any]:
     """A pipeline whose stage announces ``rank * 10`` and estimates a small need: what the stage saw of every
-    rank's announcement, and how many collectives the preflight issued (one exchange for both)."""
+    rank's announcement, and how many collectives the preflight issued (one exchange for both). ``later``: a second
+    stage whose estimate waits for the announcements and is needed where rank 1 announced ``later``."""
     import torch
 
     from accelerate_memsafe import MemSafePlugin
@@ -162,6 +169,18 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool) ->
             seen["announced"] = ctx.scratch[ANNOUNCED_KEY]["announcing"]
             return ran()
 
+    class Later(Stage):
+        name, hooks = "later", ("save_state",)
+
+        def needs_estimate(self, ctx):
+            return ctx.scratch[ANNOUNCED_KEY]["announcing"][1]["value"] == later
+
+        def estimate(self, ctx):
+            return MemoryEstimate(cpu_bytes=(1 << 20) * (ctx.rank + 1), what="a need known after the exchange")
+
+        def run(self, ctx):
+            return ran()
+
     calls = []
     real = collectives.Collectives.all_gather
 
@@ -173,7 +192,9 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool) ->
     try:
         ctx = HookContext(hook="save_state", rank=rank, world_size=world_size, device=torch.device("cpu"),
                           options=MemSafePlugin(stages=["shard"], preflight_memory_check=check))
-        Pipeline({"save_state": (Announcing(ctx.options),)}, MemoryReport()).run(ctx, lambda c: None)
+        stages = (Announcing(ctx.options),) + ((Later(ctx.options),) if later is not None else ())
+        Pipeline({"save_state": stages}, MemoryReport()).run(ctx, lambda c: None)
     finally:
         collectives.Collectives.all_gather = real
-    return {"announced": seen["announced"], "collectives": calls, "estimates": sorted(ctx.scratch.get("estimates", {}))}
+    return {"announced": seen["announced"], "collectives": calls, "estimates": sorted(ctx.scratch.get("estimates", {})),
+            "later_cpu": ctx.scratch.get("estimates", {}).get("later", MemoryEstimate()).cpu_bytes}

@@ -127,6 +127,8 @@ def prepare_llama(
     edit: str | None = None,
     edit_on: int = 0,
     other_checkpoint_on: int | None = None,
+    swap: tuple[str, str] | None = None,
+    swap_on: int = 0,
     ranks_per_node: int | None = None,
     transport: str = "auto",
 ) -> dict[str, Any]:
@@ -134,7 +136,9 @@ def prepare_llama(
     what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
     ``ParallelismConfig`` sizes) and, with ``full``, each parameter's names whose full tensor differs from
     a single-process ``from_pretrained`` of the same checkpoint (``edit``: a parameter rank ``edit_on`` doubles in
-    place after loading, in the reference too when that is rank 0; ``other_checkpoint_on``: a rank that sees another checkpoint
+    place after loading, in the reference too when that is rank 0; ``swap``: two parameters of one shape rank
+    ``swap_on`` exchanges after loading (each still an unmodified view of the file, under the other's name), in the
+    reference too when that is rank 0; ``other_checkpoint_on``: a rank that sees another checkpoint
     identity, as a node with its own copy of the files would; ``ranks_per_node``: the launcher's node index,
     ``GROUP_RANK``, as ``--num_machines`` would set it; ``transport="scatter"``: one ``scatter`` per bucket, the
     transport of the backends other than gloo, here over gloo)."""
@@ -169,6 +173,12 @@ def prepare_llama(
     if edit and rank == edit_on:
         with torch.no_grad():
             model.get_parameter(edit).mul_(2)  # in place: the address stays the file's, the bytes do not
+    if swap and rank == swap_on:
+        (mod_a, _, attr_a), (mod_b, _, attr_b) = (n.rpartition(".") for n in swap)
+        a, b = model.get_submodule(mod_a), model.get_submodule(mod_b)
+        pa, pb = getattr(a, attr_a), getattr(b, attr_b)
+        setattr(a, attr_a, pb)
+        setattr(b, attr_b, pa)
     if other_checkpoint_on == rank:
         from accelerate_memsafe.distributed import local_read
 
@@ -228,6 +238,8 @@ def prepare_llama(
         reference = reference_model.state_dict()
         if edit and edit_on == 0:  # rank 0's model is the truth: another rank's edit is not
             reference[edit] = reference[edit] * 2
+        if swap and swap_on == 0:
+            reference[swap[0]], reference[swap[1]] = reference[swap[1]], reference[swap[0]]
         out["differs_from_single_process"] = [n for n, p in model.named_parameters()
                                               if not torch.equal(p.full_tensor(), reference[n])]
         out["placements"] = {n: str(p.placements) for n, p in model.named_parameters()}

@@ -114,6 +114,38 @@ def test_preflight_refuses_a_stage_that_cannot_fit_before_it_starts():
     assert log == ["run:huge", "upstream", "after:huge"]
 
 
+@pytest.mark.parametrize("needed", [True, False])
+def test_an_estimate_that_waits_for_the_announcements_is_asked_only_where_they_call_for_it(needed):
+    # one process: the stage's `needs_estimate` reads this rank's own announcement, then the estimate is checked
+    from accelerate_memsafe import MemoryBudgetError, MemSafePlugin
+    from accelerate_memsafe.pipeline import ANNOUNCED_KEY, MemoryEstimate
+
+    log: list[str] = []
+
+    class Deferred(_Log):
+        def announce(self, ctx):
+            return {"will_run": needed}
+
+        def needs_estimate(self, ctx):
+            log.append("needs_estimate")
+            return ctx.scratch[ANNOUNCED_KEY]["deferred"][0]["will_run"]
+
+        def estimate(self, ctx):
+            log.append("estimate")
+            return MemoryEstimate(cpu_bytes=1 << 60, what="a 1 EiB tensor")
+
+    ctx = _ctx()
+    ctx.options = MemSafePlugin(stages=["shard"])
+    pipe = Pipeline({"save_state": (Deferred("deferred", log),)}, MemoryReport())
+    if needed:
+        with pytest.raises(MemoryBudgetError, match=r"stage `deferred` at hook `save_state` on rank 0 would not fit"):
+            pipe.run(ctx, lambda c: log.append("upstream"))
+        assert log == ["needs_estimate", "estimate"]
+    else:
+        pipe.run(ctx, lambda c: log.append("upstream"))
+        assert log == ["needs_estimate", "run:deferred", "upstream", "after:deferred"]
+
+
 class _CountingProbe:
     """Stands in for ``MemoryProbe`` and counts the regions probed."""
 
