@@ -486,8 +486,15 @@ class Pipeline:
         import torch.distributed as dist
 
         peers = ctx.world_size > 1 and dist.is_available() and dist.is_initialized()
-        if not estimates and not later and not peers:
-            return  # nothing to check (with peers, every rank still takes part in the exchange)
+        if not peers:  # one process: the stages that wait for the announcements decide on this one's alone
+            for stage in later:
+                est = stage.estimate(ctx) if stage.needs_estimate(ctx) else None
+                if est is not None:
+                    estimates[stage.name] = est
+            ctx.scratch["estimates"].update(estimates)
+            later = []
+            if not estimates:
+                return  # nothing to check, and no peer to exchange with
         mine = None
         if stages:
             limit, dev_free = available_memory(ctx.device)
@@ -508,9 +515,8 @@ class Pipeline:
                 if est is not None:
                     more[stage.name] = est
             ctx.scratch["estimates"].update(more)
-            theirs = [more] if not peers else exchange_objects(
-                more, stage="preflight", timeout_s=options.collective_timeout_s,
-                what="exchange of the memory estimates that waited for the announcements")
+            theirs = exchange_objects(more, stage="preflight", timeout_s=options.collective_timeout_s,
+                                      what="exchange of the memory estimates that waited for the announcements")
             budgets = [dataclasses.replace(b, estimates={**b.estimates, **t}) for b, t in zip(budgets, theirs)]
         if not stages:
             return
