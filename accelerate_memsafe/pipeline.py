@@ -500,11 +500,13 @@ class Pipeline:
             limit, dev_free = available_memory(ctx.device)
             mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
         budgets = [mine]
+        coll = None
         if peers:
-            from .distributed.collectives import exchange_objects
+            from .distributed.collectives import Collectives
 
-            everyone = exchange_objects((mine, announced), stage="preflight", timeout_s=options.collective_timeout_s,
-                                        what="exchange of the preflight memory estimates and the stages' announcements")
+            coll = Collectives("preflight", timeout_s=options.collective_timeout_s)
+            everyone = coll.all_gather_object((mine, announced), what="exchange of the preflight memory estimates "
+                                              "and the stages' announcements")
             budgets = [budget for budget, _ in everyone]
             ctx.scratch[ANNOUNCED_KEY] = {name: [theirs[name] for _, theirs in everyone] for name in announced}
         later = [s for s in later if s.needs_estimate(ctx)]  # the same stages on every rank
@@ -515,8 +517,8 @@ class Pipeline:
                 if est is not None:
                     more[stage.name] = est
             ctx.scratch["estimates"].update(more)
-            theirs = exchange_objects(more, stage="preflight", timeout_s=options.collective_timeout_s,
-                                      what="exchange of the memory estimates that waited for the announcements")
+            theirs = coll.all_gather_object(  # `later` is left empty in one process: there are peers here
+                more, what="exchange of the memory estimates that waited for the announcements")
             budgets = [dataclasses.replace(b, estimates={**b.estimates, **t}) for b, t in zip(budgets, theirs)]
         if not stages:
             return

@@ -95,9 +95,8 @@ class HookScope:
 
         A peer can only be waiting at the agreement this rank would have entered next, or at the one it entered
         last (it may have failed inside it): their ``done`` marks say that it failed, with its record, unless the
-        agreement already completed (every rank arrived): a peer then leaves it as it would have, and reaches this
-        failure at its next agreement or collective (a verdict every rank computes alike after an exchange is then
-        raised by each rank as its own error, not as a peer's)."""
+        agreement already completed (every rank arrived): a peer then leaves it as it would have, and meets this
+        failure at its next agreement or collective."""
         message = f"{type(exc).__name__}: {exc}"
         if len(message) > _MAX_MESSAGE_CHARS:
             message = message[:_MAX_MESSAGE_CHARS] + " [...]"
@@ -215,37 +214,11 @@ class HookScope:
         except (PeerStageError, CollectiveTimeoutError):
             raise
         except Exception as exc:
-            raise self._unreachable(f"the agreement {what}", exc) from exc
-
-    def exchange(self, value: bytes, what: str, *, timeout_s: float) -> list[bytes]:
-        """Every rank's ``value`` (a few KiB at most), in rank order, through the store: each rank leaves its value,
-        meets the others at an agreement (:meth:`agree`: the same wake-up, failure and timeout handling), then reads
-        them all with one ``multi_get``. No collective is posted: for the small exchanges of a hook on a few ranks
-        this saves the process group's first ``all_gather`` (about a millisecond the first time, on gloo) and its
-        16 KiB buffers. The ranks must call it the same number of times, in the same order as :meth:`agree`.
-
-        Raises:
-            PeerStageError: If another rank failed during this hook call.
-            CollectiveTimeoutError: If a rank did not arrive within ``timeout_s`` (naming it), or the store became
-                unreachable.
-        """
-        key = self._agreement_key(self._agreements)
-        try:
-            self.store.set(f"{key}/value/{self.rank}", value)
-        except Exception as exc:
-            raise self._unreachable(f"the {what}", exc) from exc
-        self.agree(what, timeout_s=timeout_s)
-        try:
-            return [bytes(v) for v in self.store.multi_get([f"{key}/value/{r}" for r in range(self.world_size)])]
-        except Exception as exc:
-            raise self._unreachable(f"the {what}", exc) from exc
-
-    def _unreachable(self, what: str, exc: BaseException) -> CollectiveTimeoutError:
-        return CollectiveTimeoutError(
-            f"hook `{self.hook}`: {what} on rank {self.rank} failed: the process group's store is unreachable "
-            f"({type(exc).__name__}: {exc}); the process hosting it (rank 0, or the torchrun agent) has probably "
-            "exited. Check its log."
-        )
+            raise CollectiveTimeoutError(
+                f"hook `{self.hook}`: the agreement {what} on rank {self.rank} failed: the process group's store is "
+                f"unreachable ({type(exc).__name__}: {exc}); the process hosting it (rank 0, or the torchrun agent) "
+                "has probably exited. Check its log."
+            ) from exc
 
     def _agreement_key(self, index: int) -> str:
         return f"{self.prefix}/agree/{index}"
@@ -371,21 +344,6 @@ def hook_scope(hook: str, *, rank: int, world_size: int) -> Iterator[HookScope |
         yield scope
     finally:
         _SCOPES.remove(scope)
-
-
-#: Largest world size whose small exchanges inside a hook go through the store (:func:`exchange_objects`): every
-#: rank reads every value from the one store server, so the traffic grows with the square of the ranks.
-STORE_EXCHANGE_MAX_RANKS = 16
-
-
-def exchange_objects(obj: Any, *, stage: str, what: str, timeout_s: float) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order: through the store (:meth:`HookScope.exchange`) inside a hook call
-    on at most :data:`STORE_EXCHANGE_MAX_RANKS` ranks, else with :meth:`Collectives.all_gather_object` of ``stage``.
-    Every rank takes the same way (the world size and the hook call are the same on every rank)."""
-    scope = _SCOPES[-1] if _SCOPES else None
-    if scope is not None and scope.world_size <= STORE_EXCHANGE_MAX_RANKS and dist.get_world_size() == scope.world_size:
-        return [pickle.loads(v) for v in scope.exchange(pickle.dumps(obj), what, timeout_s=timeout_s)]
-    return Collectives(stage, timeout_s=timeout_s).all_gather_object(obj, what=what)
 
 
 def check_not_abandoned(group: Any = None) -> None:

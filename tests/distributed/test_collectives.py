@@ -33,28 +33,24 @@ def test_point_to_point_exchanges_are_waited_for_by_one_thread_in_order():
         assert res["waiters"] == 1, res["waiters"]
 
 
-@pytest.mark.parametrize("via_store", [True, False], ids=["store", "collective"])
 @pytest.mark.parametrize("check", [True, False], ids=["preflight_check", "no_preflight_check"])
-def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchange(check, via_store):
+def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchange(check):
     # a stage that needs every rank's view (meta_placement's in-place claim) gets it from the preflight's exchange,
-    # not from a collective of its own; without the memory check, the exchange still carries the announcements. On
-    # a few ranks the exchange goes through the store (no collective posted), on more through one all-gather
-    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=check, via_store=via_store)
+    # not from a collective of its own; without the memory check, the exchange still carries the announcements
+    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=check)
     for res in results:
         assert res["announced"] == [{"value": 0}, {"value": 10}]
-        assert len(res["collectives"]) == 1, res["collectives"]  # small objects: one exchange, no second part
+        assert len(res["collectives"]) == 1, res["collectives"]  # small objects: one all-gather, no second part
         assert "announcements" in res["collectives"][0]
         assert res["estimates"] == (["announcing"] if check else [])
 
 
-@pytest.mark.parametrize("via_store", [True, False], ids=["store", "collective"])
 @pytest.mark.parametrize("needed", [True, False], ids=["needed", "ruled_out"])
-def test_an_estimate_that_waits_for_the_announcements_takes_a_second_exchange_only_where_needed(needed, via_store):
+def test_an_estimate_that_waits_for_the_announcements_takes_a_second_exchange_only_where_needed(needed):
     # `needs_estimate` decides from what every rank announced (rank 1's 10), the same on every rank: a stage it rules
     # out costs no estimate and no second exchange; one it needs has its figure asked after the exchange and sent
     # in a second one
-    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=True, later=10 if needed else 99,
-                           via_store=via_store)
+    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=True, later=10 if needed else 99)
     for rank, res in enumerate(results):
         assert res["announced"] == [{"value": 0}, {"value": 10}]
         assert len(res["collectives"]) == (2 if needed else 1), res["collectives"]

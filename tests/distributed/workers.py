@@ -143,12 +143,10 @@ def exchanges_through_one_waiter(rank: int, world_size: int, *, rounds: int) -> 
     return {"got": got, "waiters": len(waiters)}
 
 
-def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, later: int | None = None,
-                                  via_store: bool = True) -> dict[str, Any]:
+def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, later: int | None = None) -> dict[str, Any]:
     """A pipeline whose stage announces ``rank * 10`` and estimates a small need: what the stage saw of every
     rank's announcement, and how many collectives the preflight issued (one exchange for both). ``later``: a second
-    stage whose estimate waits for the announcements and is needed where rank 1 announced ``later``. ``via_store=False``:
-    the exchanges go through the process group's collectives, as on more than ``STORE_EXCHANGE_MAX_RANKS`` ranks."""
+    stage whose estimate waits for the announcements and is needed where rank 1 announced ``later``."""
     import torch
 
     from accelerate_memsafe import MemSafePlugin
@@ -185,20 +183,12 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, la
 
     calls = []
     real = collectives.Collectives.all_gather
-    real_exchange = collectives.HookScope.exchange
 
     def counting(self, tensor, *, what="all_gather"):
         calls.append(what)
         return real(self, tensor, what=what)
 
-    def counting_exchange(self, value, what, *, timeout_s):
-        calls.append(what)
-        return real_exchange(self, value, what, timeout_s=timeout_s)
-
     collectives.Collectives.all_gather = counting
-    collectives.HookScope.exchange = counting_exchange
-    if not via_store:
-        collectives.STORE_EXCHANGE_MAX_RANKS = 1
     try:
         ctx = HookContext(hook="save_state", rank=rank, world_size=world_size, device=torch.device("cpu"),
                           options=MemSafePlugin(stages=["shard"], preflight_memory_check=check))
@@ -206,6 +196,5 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, la
         Pipeline({"save_state": stages}, MemoryReport()).run(ctx, lambda c: None)
     finally:
         collectives.Collectives.all_gather = real
-        collectives.HookScope.exchange = real_exchange
     return {"announced": seen["announced"], "collectives": calls, "estimates": sorted(ctx.scratch.get("estimates", {})),
             "later_cpu": ctx.scratch.get("estimates", {}).get("later", MemoryEstimate()).cpu_bytes}
