@@ -247,7 +247,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, fsdp_plugin: Any) -> 
 #    index); ``transformers.integrations.accelerate.load_offloaded_parameter`` reads it the same way.
 
 #: transformers versions whose internals the offloaded save was written and tested against.
-TESTED_TRANSFORMERS_CONVERSIONS = (Version("5.23.0"), Version("5.24.0"))
+TESTED_TRANSFORMERS_CONVERSIONS = (Version("5.23.0"), Version("5.25.0"))
 
 
 def check_transformers_version(version: str | None = None) -> bool:
@@ -414,7 +414,7 @@ def checkpoint_file_offset(tensor: torch.Tensor) -> int | None:
 #: peft / transformers versions whose ``Trainer._load_best_model`` / ``Trainer._load_from_checkpoint`` (private
 #: methods overridden by ``integrations.trainer.MemSafeTrainerMixin``) and peft save layout were tested.
 TESTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
-TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.24.0"))
+TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))
 
 
 def check_trainer_peft_versions(peft_version: str | None = None, transformers_version: str | None = None) -> bool:

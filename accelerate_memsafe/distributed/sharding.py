@@ -171,8 +171,9 @@ class GroupFilter:
             self.managed.update(id(p) for p in _group_params(m))
 
 
-#: Keyword arguments through which a transformers layer reads and *writes* its KV cache.
-_CACHE_KWARGS = ("past_key_values", "layer_past", "past_key_value")
+#: Keyword arguments through which a transformers layer reads and *writes* its KV cache (``cache`` from
+#: transformers 5.24, ``past_key_values`` before it; ``layer_past`` / ``past_key_value`` in older layers).
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past", "past_key_value")
 
 
 def _cache_free_in_training(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple | None:
@@ -181,9 +182,10 @@ def _cache_free_in_training(module: torch.nn.Module, args: tuple, kwargs: dict[s
     transformers' own gradient checkpointing (``GradientCheckpointingLayer``) applies the same rule: a layer
     that writes the cache would write it a second time when the backward pass recomputes it, and the
     recomputed attention then sees twice the keys (a shape error, or a checkpoint metadata error). A layer
-    that only reads the cache (``_can_checkpoint_with_cache``) keeps it.
+    that only reads the cache (``_can_checkpoint_with_cache``) keeps it, and so does a call without gradients
+    (generating from a model in training mode): no backward replays it.
     """
-    if not module.training:
+    if not module.training or not torch.is_grad_enabled():
         return None
     inner = getattr(module, "_checkpoint_wrapped_module", module)
     changed = dict(kwargs)

@@ -71,6 +71,16 @@ def test_evaluation_keeps_the_cache():
     assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 12
 
 
+def test_a_call_without_gradients_in_training_mode_keeps_the_cache():
+    # no backward replays the layer, so the cache stays (transformers' own rule since 5.24: generating in train mode)
+    model = _checkpointed(_mistral())
+    drop_cache_under_checkpointing(model)
+    model.train()
+    with torch.no_grad():
+        out = model(input_ids=BATCH["input_ids"], use_cache=True)
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 12
+
+
 def test_modules_that_are_not_transformers_layers_are_left_alone():
     model = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)))
     assert drop_cache_under_checkpointing(model) == 0
