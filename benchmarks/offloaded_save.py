@@ -47,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from markdown_region import write_tables  # the sibling module (this script's folder is on sys.path)
+
 PATHS = ("save_file", "save_file_sync_end", "plugin", "transformers", "accelerate")
 LIMITS = ("save_file", "save_file_sync_end")
 VARIANTS = {"plugin": {}, "plugin_direct": {"io_mode": "direct"}, "plugin_memory": {"io_mode": "memory"},
@@ -297,10 +299,9 @@ def main() -> None:
         print(json.dumps(result))
         if args.markdown:
             existing = Path(args.markdown).read_text(encoding="utf-8") if Path(args.markdown).exists() else ""
-            with open(args.markdown, "a", encoding="utf-8") as f:
-                if "## offloaded save" not in existing:
-                    f.write("\n## offloaded save\n")
-                f.write(_markdown(rows, args, model_mib))
+            heading = "" if "## offloaded save" in existing else "\n## offloaded save\n"
+            print(f"{args.markdown}: " + ", ".join(write_tables(args.markdown, heading + _markdown(rows, args, model_mib))),
+                  file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

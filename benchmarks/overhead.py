@@ -52,6 +52,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from markdown_region import write_tables
 from prepare import spawn  # the launcher of the sibling benchmark
 
 HOOKS = ("prepare_s", "save_state_s", "load_state_s")
@@ -356,7 +357,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="save_state / load_state rounds per launch")
     parser.add_argument("--paths", default="stock,default", help=f"comma-separated, from {', '.join(PATHS)}")
     parser.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, from {', '.join(SETTINGS)}")
-    parser.add_argument("--markdown", default=None, help="append the table to this file")
+    parser.add_argument("--markdown", default=None,
+                        help="write the table into this file (replacing the region of the same id, else appended)")
     parser.add_argument("--paired", action="store_true",
                         help="save_state / load_state of stock and the plugin alternated in the same processes")
     parser.add_argument("--load", default="checkpoint", choices=("checkpoint", "config"),
@@ -374,8 +376,7 @@ def main(argv: list[str] | None = None) -> dict:
         doc = measure(args.size, paths, settings, args.launches, args.repeats, log=log, load=args.load)
     print(json.dumps(doc))
     if args.markdown:
-        with open(args.markdown, "a", encoding="utf-8") as f:
-            f.write(markdown_paired(doc) if args.paired else markdown(doc))
+        log(f"{args.markdown}: " + ", ".join(write_tables(args.markdown, markdown_paired(doc) if args.paired else markdown(doc))))
     return doc
 
 

@@ -48,6 +48,8 @@ import time
 import traceback
 from pathlib import Path
 
+from markdown_region import write_tables  # the sibling module (this script's folder is on sys.path)
+
 MIB = 2**20
 PATHS = ("stock", "dcp", "memsafe", "memsafe_rank0")
 #: accelerate's wrap policy for every path (the layers people wrap: each decoder layer its own FSDP unit)
@@ -406,8 +408,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         doc = _measure(args, world, paths, bucket, cache, argv)
         print(json.dumps(doc))
         if args.markdown:
-            with open(args.markdown, "a", encoding="utf-8") as f:
-                f.write(_markdown(doc))
+            print(f"{args.markdown}: " + ", ".join(write_tables(args.markdown, _markdown(doc))), file=sys.stderr)
         docs.append(doc)
     return docs
 

@@ -42,6 +42,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from markdown_region import write_tables
 from prepare import spawn  # the launcher of the sibling benchmark
 
 MIB = 2**20
@@ -244,8 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(doc))
     if args.markdown:
-        with open(args.markdown, "a", encoding="utf-8") as f:
-            f.write(_markdown(doc))
+        print(f"{args.markdown}: " + ", ".join(write_tables(args.markdown, _markdown(doc))), file=sys.stderr)
     return doc
 
 
