@@ -171,6 +171,8 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
         "",
         "FSDP2 `prepare` on 2 CPU gloo ranks, with the plugin (`MemSafePlugin()`) and with stock accelerate's path",
         "(`MemSafePlugin(stages=[])`, the same Accelerator class), for tiny random models of each architecture family.",
+        "The stock path loads the model with transformers' `from_pretrained` on every rank (what a script without the",
+        "plugin does; the `memsafe` loader's meta weights are filled by the plugin's stages only).",
         "A cell **passes** when every parameter and buffer gathered after `prepare` is bitwise equal to a plain",
         "single-process `from_pretrained` of the same checkpoint (bf16: to the stock result when stock runs), the loss",
         "matches, ties are kept, one backward + AdamW step is finite, and both ranks agree.",

@@ -2,7 +2,9 @@
 stock path, or both).
 
 The plugin path is ``accelerate_memsafe.Accelerator(plugins=[MemSafePlugin()])``; the stock path is the
-same class with ``MemSafePlugin(stages=[])`` (exactly accelerate's own prepare). Both run on the process
+same class with ``MemSafePlugin(stages=[])`` (exactly accelerate's own prepare), loading the model as a user of
+stock accelerate does (:data:`STOCK_LOADER`: transformers' ``from_pretrained`` where the plugin's path uses
+``accelerate_memsafe.from_pretrained``, whose meta weights only the plugin's stages fill). Both run on the process
 group the first Accelerator creates; the accelerate state is reset in between. After each path the ranks
 swap what they saw through files (:class:`_Exchange`), not through gloo, because after an error one rank
 may be left inside a collective: when the ranks' errors differ the spawn ends (the rest, starting with
@@ -43,6 +45,11 @@ PATH_TIMEOUT = 240.0
 #: How many tensor names a problem lists.
 MAX_NAMES = 4
 PATHS = ("plugin", "stock")
+#: How the stock path loads every cell's model: transformers' ``from_pretrained`` on every rank, as a script without
+#: the plugin does. Where the plugin's path uses ``accelerate_memsafe.from_pretrained`` (rank 1 on meta), that model
+#: under ``MemSafePlugin(stages=[])`` is refused (no stage fills the meta weights: ``refuse_unfilled_meta_weights``),
+#: which would say nothing about stock accelerate.
+STOCK_LOADER = "hf"
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,8 @@ def run_cells(rank: int, world_size: int, *, tasks: list[Task], progress: str) -
                 _log(progress, {"event": "start", **cell, "path": path})
             hang = f"the {path} path did not finish within {PATH_TIMEOUT:.0f} s on rank {rank} (a hang)"
             with exchange.watchdog(progress, {"event": "abort", **cell, "path": path, "message": hang}):
-                results[path] = exchange.share(_run_path(family, setting, stages=None if path == "plugin" else []))
+                results[path] = exchange.share(_run_path(family, setting, stages=None if path == "plugin" else [],
+                                                         loader=setting.loader if path == "plugin" else STOCK_LOADER))
             if rank == 0:
                 _log(progress, {"event": path, **cell, path: _judge(results[path], references[family.name], setting)})
             if _diverged(results[path]):
@@ -148,7 +156,7 @@ def _load(family: Family, loader: str) -> torch.nn.Module:
     return auto_cls.from_pretrained(family.checkpoint)
 
 
-def _run_path(family: Family, setting: Setting, *, stages: list[str] | None) -> dict[str, Any]:
+def _run_path(family: Family, setting: Setting, *, stages: list[str] | None, loader: str) -> dict[str, Any]:
     """Prepare, gather, forward, one step, on this rank. Never raises: an error is recorded with whether
     any parameter had already become a DTensor (something moved)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -162,7 +170,7 @@ def _run_path(family: Family, setting: Setting, *, stages: list[str] | None) -> 
         fsdp_plugin = FullyShardedDataParallelPlugin(**setting.fsdp_kwargs())
         accelerator = Accelerator(plugins=[MemSafePlugin(stages=stages)], fsdp_plugin=fsdp_plugin,
                                   mixed_precision=setting.mixed_precision)
-        model = _load(family, setting.loader)
+        model = _load(family, loader)
         ties_before = tie_groups(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
