@@ -45,6 +45,7 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -235,11 +236,13 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
             load: str = "checkpoint") -> dict:
     ckpt = _checkpoint_of(size, load)  # a random-init Llama saved with save_pretrained
     runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
+    prepares: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
             for path in paths:
                 got = _launch(SETTINGS[setting], path, size, repeats, ckpt)
                 best = runs[setting][path]
+                prepares[setting][path].append(got["prepare_s"])
                 for key, value in got.items():
                     best[key] = min(best.get(key, float("inf")), value)
                 log(f"launch {i + 1}/{launches} {setting} {path}: " + ", ".join(f"{k}={v:.3f}" for k, v in got.items()))
@@ -247,6 +250,11 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
               for s in settings}
     added = {s: {p: {h: runs[s][p][h] - runs[s]["stock"][h] for h in HOOKS} for p in paths if p != "stock"}
              for s in settings}
+    # one `prepare` per launch (a process's first): the median over launches besides the best
+    for s in settings:
+        for p in paths:
+            runs[s][p]["prepare_median_s"] = statistics.median(prepares[s][p])
+            runs[s][p]["prepare_all_s"] = prepares[s][p]
     return {"benchmark": "overhead", "size": size, "load": load, "launches": launches, "repeats": repeats, "runs": runs,
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -324,10 +332,12 @@ def markdown(doc: dict) -> str:
              f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW "
              f"({'loaded from its checkpoint by transformers on every rank' if doc.get('load') == 'checkpoint' else 'the same random weights built on every rank'}), best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
-             "over stock's in the same setting:\n",
+             "over stock's in the same setting; `prepare` runs once per launch (a process's first), so the last two "
+             "columns give its median over the launches too:\n",
              "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ratio "
-             "| save_state ratio | load_state ratio | added per hook (s): prepare / save / load |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| save_state ratio | load_state ratio | added per hook (s): prepare / save / load | prepare, median of launches (s) "
+             "| prepare median ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, by_path in doc["runs"].items():
         for path, r in by_path.items():
             q = doc["ratios"][setting].get(path)
@@ -335,8 +345,12 @@ def markdown(doc: dict) -> str:
             ratio = " | ".join(f"{q[h]:.2f}" for h in HOOKS) if q else "1 | 1 | 1"
             add = " / ".join(f"{a[h]:+.3f}" for h in HOOKS) if a else "-"
             tail = f"{r['commit_tail_s']:.3f}" if path != "stock" else "-"
+            median = r.get("prepare_median_s")
+            stock_median = by_path["stock"].get("prepare_median_s")
+            median_cells = (f"{median:.3f} | {median / stock_median:.2f}" if median is not None and stock_median
+                            else "- | -")
             lines.append(f"| {setting} | {path} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} "
-                         f"| {tail} | {ratio} | {add} |")
+                         f"| {tail} | {ratio} | {add} | {median_cells} |")
     lines += ["", "CPU seconds of the busiest rank's process in the hook (every thread; less sensitive than the wall to "
               "other work on the machine), best round:", "",
               "| setting | path | prepare CPU (s) | save_state CPU (s) | load_state CPU (s) | prepare CPU ratio "
