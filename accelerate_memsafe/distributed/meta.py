@@ -284,6 +284,18 @@ def checkpoint_source_names(originals: dict[str, torch.Tensor], checkpoint_path:
     return source, names
 
 
+def _any_on_meta(model: nn.Module) -> bool:
+    """Whether a parameter or buffer of ``model`` is on ``meta``: one walk of the tree (no generators of ``nn.Module``;
+    asked on every ``prepare``, a single process's included)."""
+    for mod in walk.modules(model):
+        for tensors in (mod._parameters, mod._buffers):
+            if tensors:
+                for t in tensors.values():
+                    if t is not None and t.is_meta:
+                        return True
+    return False
+
+
 def meta_weight_names(model: nn.Module) -> list[str]:
     """Parameters and persistent buffers of ``model`` that are on ``meta`` (no data), each once.
 
@@ -293,7 +305,7 @@ def meta_weight_names(model: nn.Module) -> list[str]:
         >>> meta_weight_names(m)
         ['weight', 'bias']
     """
-    if not any(t.is_meta for t in model.parameters()) and not any(t.is_meta for t in model.buffers()):
+    if not _any_on_meta(model):
         return []  # the usual answer, without naming every tensor
     return [m.name for m in weights_metadata(model) if m.on_meta]
 

@@ -149,14 +149,24 @@ class GroupFilter:
         self.root = root
         self.managed: set[int] = set()
         self.dropped: list[str] = []
+        self._owners: dict[int, set[int]] | None = None  # id(parameter) -> ids of the modules holding it
+        self._selected: list[tuple[torch.nn.Module, list[int]]] = []  # (module, ids of its parameters) before sharding
+
+    def _owner_map(self) -> dict[int, set[int]]:
+        """Which modules of the tree hold each parameter: built once (one walk of the tree), then kept up to date by
+        :meth:`formed` (``fully_shard`` replaces the parameters of the modules it groups), so a wrap policy's many
+        calls cost one walk of the tree, not one each."""
+        if self._owners is None:
+            self._owners = {}
+            for mod in self.root.modules():
+                for p in mod._parameters.values():
+                    if p is not None:
+                        self._owners.setdefault(id(p), set()).add(id(mod))
+        return self._owners
 
     def select(self, modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
         kept = [m for m in modules if _implements_forward(m) and not any(id(p) in self.managed for p in _group_params(m))]
-        owners: dict[int, set[int]] = {}
-        for mod in self.root.modules():
-            for p in mod._parameters.values():
-                if p is not None:
-                    owners.setdefault(id(p), set()).add(id(mod))
+        owners = self._owner_map()
         while kept:
             inside = {id(m) for k in kept for m in k.modules()}
             split = [k for k in kept if any(not owners[id(p)] <= inside for p in _group_params(k))]
@@ -164,11 +174,30 @@ class GroupFilter:
                 break
             kept = [k for k in kept if k not in split]
         self.dropped.extend(type(m).__name__ for m in modules if m not in kept)
+        # what the kept modules hold now, to put the owner map right once `fully_shard` replaced it (`formed`)
+        self._selected = [(m, [id(p) for p in m._parameters.values() if p is not None])
+                          for k in kept for m in k.modules()]
         return kept
 
     def formed(self, modules: list[torch.nn.Module]) -> None:
         for m in modules:
             self.managed.update(id(p) for p in _group_params(m))
+        if self._owners is not None:
+            # the parameters `fully_shard` replaced leave the map before their successors enter it: a successor may
+            # have the id of a replaced parameter that was freed (outside the group every old parameter is still held
+            # by its module, so no id of theirs can come back)
+            for mod, ids in self._selected:
+                for pid in ids:
+                    holders = self._owners.get(pid)
+                    if holders is not None:
+                        holders.discard(id(mod))
+                        if not holders:
+                            del self._owners[pid]
+            for mod, _ in self._selected:
+                for p in mod._parameters.values():
+                    if p is not None:
+                        self._owners.setdefault(id(p), set()).add(id(mod))
+        self._selected = []
 
 
 #: Keyword arguments through which a transformers layer reads and *writes* its KV cache (``cache`` from

@@ -102,3 +102,56 @@ def test_tensor_subclass_parameters_are_named():
     assert tensor_subclass_parameters(lin) == []
     lin.weight = Quantized(torch.zeros(2, 2))
     assert tensor_subclass_parameters(lin) == ["weight (Quantized)"]
+
+
+def _fresh_owners(root: nn.Module) -> dict[int, set[int]]:
+    owners: dict[int, set[int]] = {}
+    for mod in root.modules():
+        for p in mod._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(mod))
+    return owners
+
+
+def _shard_like_fully_shard(modules: list[nn.Module]) -> None:
+    """What ``fully_shard`` does to the owner map: every parameter of the group's modules becomes a new object (shared
+    ones stay shared), the old ones are dropped."""
+    new: dict[int, nn.Parameter] = {}
+    for k in modules:
+        for m in k.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None:
+                    m._parameters[name] = new.setdefault(id(p), nn.Parameter(p.detach().clone()))
+
+
+def test_the_owner_map_kept_up_to_date_equals_one_built_afresh_after_every_group():
+    # one walk of the tree for a whole wrap policy's calls (not one per call), with the same answers
+    m = Model()
+    f = GroupFilter(m)
+    for call in ([m.layers[0]], [m.layers[1]], [m.head.decoder], [m.emb, m.head]):
+        kept = f.select(call)
+        assert f._owner_map() == _fresh_owners(m)
+        if kept:
+            _shard_like_fully_shard(kept)
+            f.formed(kept)
+        assert f._owner_map() == _fresh_owners(m)
+    assert f.select([m.emb]) == []  # grouped with the head already
+
+
+def test_the_owner_map_walks_the_tree_once_for_many_calls(monkeypatch):
+    m = Model()
+    walks = []
+    real = nn.Module.modules
+
+    def counting(self):
+        if self is m:
+            walks.append(1)
+        return real(self)
+
+    monkeypatch.setattr(nn.Module, "modules", counting)
+    f = GroupFilter(m)
+    for layer in m.layers:
+        kept = f.select([layer])
+        _shard_like_fully_shard(kept)
+        f.formed(kept)
+    assert len(walks) == 1
