@@ -1,7 +1,9 @@
 """What the default plugin costs a training loop: the walls of ``prepare``, ``save_state`` and ``load_state``
 with stock ``accelerate.Accelerator`` and with ``accelerate_memsafe.Accelerator(plugins=[MemSafePlugin()])`` as a
-user writes it (the default: every stage, the 2 ms memory sampler on, the live-tensor tracker off, the
-checkpoint committed in the background), on one process and on 2 gloo ranks with FSDP2, same model, same data.
+user writes it (the default: every stage, the memory sampler on (every 10 ms), the live-tensor tracker off, the
+checkpoint committed in the background), on one process and on 2 gloo ranks with FSDP2 (accelerate's default plugin,
+no wrap policy: ``fsdp2_2ranks``; and ``auto_wrap_policy="transformer_based_wrap"``, one group per decoder layer:
+``fsdp2_tw_2ranks``), same model, same data.
 
 Each (setting, path) runs ``--launches`` times in fresh processes: a Llama of ``--size`` (fp32, the same seed on
 every rank), AdamW, ``prepare``, one training step, then ``--repeats`` rounds of ``save_state`` into a new directory
@@ -58,13 +60,15 @@ from prepare import spawn  # the launcher of the sibling benchmark
 
 HOOKS = ("prepare_s", "save_state_s", "load_state_s")
 PATHS = ("stock", "default", "sync_commit", "tracker", "tracker_sync")
-SETTINGS = {"1proc": 1, "fsdp2_2ranks": 2}
+#: setting -> (processes, FSDP2 ``auto_wrap_policy``): accelerate's default plugin (no wrap policy: the root group, the
+#: input embedding and the ``[final_norm, lm_head]`` tail) and the policy scripts use (one group per decoder layer).
+SETTINGS = {"1proc": (1, None), "fsdp2_2ranks": (2, None), "fsdp2_tw_2ranks": (2, "transformer_based_wrap")}
 
 
-def _accelerator(path: str, world: int):
+def _accelerator(path: str, world: int, wrap: str | None = None):
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if world > 1 else None
+    fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=wrap) if world > 1 else None
     if path == "stock":
         import accelerate
 
@@ -104,13 +108,14 @@ def _train_step(acc, model, opt) -> None:
     opt.zero_grad()
 
 
-def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None = None) -> dict:
+def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None = None,
+         wrap: str | None = None) -> dict:
     import torch
     import torch.distributed as dist
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    acc = _accelerator(path, world)
+    acc = _accelerator(path, world, wrap)
     sync = acc.wait_for_everyone
 
     cpu: dict[str, list[float]] = {"prepare_s": [], "save_state_s": [], "load_state_s": []}
@@ -145,7 +150,8 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             "cpu": cpu}
 
 
-def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None) -> dict:
+def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None,
+                wrap: str | None = None) -> dict:
     """One launch of ``--paired``: with the plugin's accelerator, rounds of ``prepare`` of a new model by each path
     (stock: accelerate's own ``Accelerator.prepare``), then the plugin prepares the model that is saved and loaded;
     after one uncounted round of both paths, each round saves and loads with both. Stock goes first in even
@@ -158,7 +164,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    acc = _accelerator("default", world)
+    acc = _accelerator("default", world, wrap)
     prepares = {"stock": lambda *objs: accelerate.Accelerator.prepare(acc, *objs), "default": acc.prepare}
     out = {path: {"prepare_s": [], "save_state_s": [], "load_state_s": [], "commit_tail_s": []} for path in prepares}
 
@@ -205,7 +211,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
 
 
 def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None,
-            queue) -> None:
+            wrap: str | None, queue) -> None:
     """One rank of a launch; ``path="paired"`` runs :func:`_run_paired`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -213,17 +219,17 @@ def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key)
     try:
-        run = _run_paired(rank, world, size, repeats, work, ckpt) if path == "paired" else \
-            _run(rank, world, path, size, repeats, work, ckpt)
+        run = _run_paired(rank, world, size, repeats, work, ckpt, wrap) if path == "paired" else \
+            _run(rank, world, path, size, repeats, work, ckpt, wrap)
         queue.put((rank, "ok", run))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None) -> dict:
+def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wrap: str | None = None) -> dict:
     """One launch: per hook, the slowest rank's wall in each round, then the best round."""
     with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
-        ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt), 1800, f"{path}/{world}")
+        ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap), 1800, f"{path}/{world}/{wrap}")
     out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
     for key in ("save_state_s", "commit_tail_s", "load_state_s"):
         out[key] = min(max(r[key][i] for r in ranks) for i in range(repeats))
@@ -240,7 +246,7 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
             for path in paths:
-                got = _launch(SETTINGS[setting], path, size, repeats, ckpt)
+                got = _launch(*SETTINGS[setting][:1], path, size, repeats, ckpt, SETTINGS[setting][1])
                 best = runs[setting][path]
                 prepares[setting][path].append(got["prepare_s"])
                 for key, value in got.items():
@@ -281,12 +287,12 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
     ckpt = _checkpoint_of(size, load)
     rows: dict[str, dict] = {}
     for setting in settings:
-        world = SETTINGS[setting]
+        world, wrap = SETTINGS[setting]
         rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in (*HOOKS, "commit_tail_s")}
                                                      for p in ("stock", "default")}
         for i in range(launches):
             with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
-                ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt), 1800, f"paired/{world}")
+                ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt, wrap), 1800, f"paired/{world}")
             for path, by_hook in rounds.items():
                 for hook, values in by_hook.items():
                     values.extend(max(r[path][hook][k] for r in ranks) for k in range(repeats))
