@@ -235,7 +235,9 @@ def parallelism_blocks_meta_placement(model: Any, parallelism_config: Any) -> st
     """
     from torch.distributed.tensor import DTensor
 
-    already = next((n for n, p in walk.named_parameters(model) if isinstance(p, DTensor)), None) if model is not None else None
+    already = None
+    if model is not None and any(isinstance(p, DTensor) for p in walk.parameters(model)):  # names built only then
+        already = next(n for n, p in walk.named_parameters(model) if isinstance(p, DTensor))
     if already is not None:
         return (f"the model is already distributed (`{already}` is a DTensor, e.g. loaded with `tp_plan`): each rank "
                 "holds its own part, there is nothing for rank 0 to send")
