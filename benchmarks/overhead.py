@@ -245,8 +245,9 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
     prepares: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
+            world, wrap = SETTINGS[setting]
             for path in paths:
-                got = _launch(*SETTINGS[setting][:1], path, size, repeats, ckpt, SETTINGS[setting][1])
+                got = _launch(world, path, size, repeats, ckpt, wrap)
                 best = runs[setting][path]
                 prepares[setting][path].append(got["prepare_s"])
                 for key, value in got.items():

@@ -159,10 +159,13 @@ class GroupFilter:
         if self._owners is None:
             self._owners = {}
             for mod in self.root.modules():
-                for p in mod._parameters.values():
-                    if p is not None:
-                        self._owners.setdefault(id(p), set()).add(id(mod))
+                self._add_owner(mod)
         return self._owners
+
+    def _add_owner(self, mod: torch.nn.Module) -> None:
+        for p in mod._parameters.values():
+            if p is not None:
+                self._owners.setdefault(id(p), set()).add(id(mod))
 
     def select(self, modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
         kept = [m for m in modules if _implements_forward(m) and not any(id(p) in self.managed for p in _group_params(m))]
@@ -194,9 +197,7 @@ class GroupFilter:
                         if not holders:
                             del self._owners[pid]
             for mod, _ in self._selected:
-                for p in mod._parameters.values():
-                    if p is not None:
-                        self._owners.setdefault(id(p), set()).add(id(mod))
+                self._add_owner(mod)
         self._selected = []
 
 
