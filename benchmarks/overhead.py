@@ -129,6 +129,7 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
 
     model, opt = _model_and_optimizer(size, ckpt)
     prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
+    stock_work_s = _stock_work(acc, rank)
     _train_step(acc, model, opt)
     wait = getattr(getattr(acc, "memsafe_plugin", None), "wait_for_checkpoint", lambda: None)
     saves, tails, loads = [], [], []
@@ -146,8 +147,27 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             shutil.rmtree(target)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return {"rank": rank, "prepare_s": prepare_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,
+    return {"rank": rank, "prepare_s": prepare_s, "prepare_stock_work_s": stock_work_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,
             "cpu": cpu}
+
+
+def _stock_work(acc, rank: int) -> float | None:
+    """The part of this rank's ``prepare`` wall that a stock ``prepare`` does too, from the plugin's report:
+    accelerate's own ``prepare`` call (the ``accelerate.prepare`` record), accelerate's FSDP2 wrapping, which the
+    ``shard`` stage runs in its place (``fsdp2_wrap_s``: ``fsdp2_prepare_model`` and its ``fully_shard`` calls), and
+    freeing the unsharded weights (``unsharded_release_s``: unmapping the checkpoint's pages, about 4 ms for the
+    ``100m`` model, which stock pays when it switches its optimizer to the shards). ``None`` for stock. The slowest
+    rank's wall minus the largest of these over the ranks is the plugin's own time (:func:`_launch`): the preflight,
+    the probes, the agreements and the stages' checks, measured inside one call, so without the launch-to-launch
+    spread of comparing two walls."""
+    plugin = getattr(acc, "memsafe_plugin", None)
+    if plugin is None:
+        return None
+    records = plugin.report.find(hook="prepare", rank=rank)
+    upstream = [r.wall_s for r in records if r.stage == "accelerate.prepare"]
+    wrap = [r.details.get("fsdp2_wrap_s", 0.0) + r.details.get("unsharded_release_s", 0.0)
+            for r in records if r.stage == "shard" and r.status == "ran"]
+    return sum(upstream) + sum(wrap) if upstream else None
 
 
 def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None,
@@ -231,6 +251,9 @@ def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wr
     with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
         ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap), 1800, f"{path}/{world}/{wrap}")
     out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
+    if all(r.get("prepare_stock_work_s") is not None for r in ranks):
+        # the ranks end the hook together (its last agreement): the slowest wall, less the most work stock would do
+        out["prepare_own_s"] = out["prepare_s"] - max(r["prepare_stock_work_s"] for r in ranks)
     for key in ("save_state_s", "commit_tail_s", "load_state_s"):
         out[key] = min(max(r[key][i] for r in ranks) for i in range(repeats))
     for key in HOOKS:  # CPU seconds of the busiest rank: less sensitive than the wall to a busy machine
@@ -243,6 +266,7 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
     ckpt = _checkpoint_of(size, load)  # a random-init Llama saved with save_pretrained
     runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
     prepares: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
+    owns: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
             world, wrap = SETTINGS[setting]
@@ -250,6 +274,8 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
                 got = _launch(world, path, size, repeats, ckpt, wrap)
                 best = runs[setting][path]
                 prepares[setting][path].append(got["prepare_s"])
+                if "prepare_own_s" in got:
+                    owns[setting][path].append(got["prepare_own_s"])
                 for key, value in got.items():
                     best[key] = min(best.get(key, float("inf")), value)
                 log(f"launch {i + 1}/{launches} {setting} {path}: " + ", ".join(f"{k}={v:.3f}" for k, v in got.items()))
@@ -262,9 +288,34 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
         for p in paths:
             runs[s][p]["prepare_median_s"] = statistics.median(prepares[s][p])
             runs[s][p]["prepare_all_s"] = prepares[s][p]
+            if p != "stock":
+                runs[s][p]["prepare_median_ratio_ci90"] = median_ratio_interval(prepares[s][p], prepares[s]["stock"])
+            if owns[s][p]:
+                runs[s][p]["prepare_own_median_s"] = statistics.median(owns[s][p])
+                runs[s][p]["prepare_own_all_s"] = owns[s][p]
     return {"benchmark": "overhead", "size": size, "load": load, "launches": launches, "repeats": repeats, "runs": runs,
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def median_ratio_interval(values: list[float], stock: list[float], *, level: float = 0.9, resamples: int = 4000,
+                          seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of ``median(values) / median(stock)`` (launches resampled with replacement, each path's
+    on its own: the launches are independent processes), at ``level`` (the central 90% by default); a fixed seed,
+    so the same walls give the same interval.
+
+    Example:
+        >>> lo, hi = median_ratio_interval([1.0, 1.1, 1.2], [1.0, 1.0, 1.0])
+        >>> 1.0 <= lo <= 1.1 <= hi <= 1.2
+        True
+    """
+    import random
+
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(values, k=len(values))) /
+                    statistics.median(rng.choices(stock, k=len(stock))) for _ in range(resamples))
+    cut = int(round((1 - level) / 2 * resamples))
+    return ratios[cut], ratios[resamples - 1 - cut]
 
 
 def _checkpoint_of(size: str, load: str) -> str | None:
@@ -339,12 +390,17 @@ def markdown(doc: dict) -> str:
              f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW "
              f"({'loaded from its checkpoint by transformers on every rank' if doc.get('load') == 'checkpoint' else 'the same random weights built on every rank'}), best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
-             "over stock's in the same setting; `prepare` runs once per launch (a process's first), so the last two "
-             "columns give its median over the launches too:\n",
+             "over stock's in the same setting; `prepare` runs once per launch (a process's first), so the last five "
+             "columns give its median over the launches, the 90% bootstrap interval of the ratio of medians, and the "
+             "plugin's own part of its wall (the slowest rank's wall minus the most work any rank did that stock does "
+             "too: accelerate's own `prepare` call, accelerate's FSDP2 wrapping, which the `shard` stage runs in its "
+             "place, and freeing the unsharded weights; median over the launches) with its share of stock's median "
+             "`prepare`:\n",
              "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ratio "
              "| save_state ratio | load_state ratio | added per hook (s): prepare / save / load | prepare, median of launches (s) "
-             "| prepare median ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prepare median ratio | prepare median ratio, 90% interval | plugin's own time in prepare, median (s) "
+             "| own time / stock prepare median |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, by_path in doc["runs"].items():
         for path, r in by_path.items():
             q = doc["ratios"][setting].get(path)
@@ -356,6 +412,11 @@ def markdown(doc: dict) -> str:
             stock_median = by_path["stock"].get("prepare_median_s")
             median_cells = (f"{median:.3f} | {median / stock_median:.2f}" if median is not None and stock_median
                             else "- | -")
+            ci = r.get("prepare_median_ratio_ci90")
+            own = r.get("prepare_own_median_s")
+            median_cells += f" | {ci[0]:.2f} - {ci[1]:.2f}" if ci else " | -"
+            median_cells += (f" | {own:.4f} | {100 * own / stock_median:.1f}%" if own is not None and stock_median
+                             else " | - | -")
             lines.append(f"| {setting} | {path} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} "
                          f"| {tail} | {ratio} | {add} | {median_cells} |")
     lines += ["", "CPU seconds of the busiest rank's process in the hook (every thread; less sensitive than the wall to "

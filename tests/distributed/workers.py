@@ -117,6 +117,39 @@ def object_collectives(rank: int, world_size: int, *, sizes: list[int]) -> dict[
     return out
 
 
+def waits_in_slices(rank: int, world_size: int, *, delay_s: float) -> dict[str, Any]:
+    """An all-reduce that rank 1 joins ``delay_s`` late, with every call rank 0's wait makes on the gloo work
+    recorded: gloo's works are waited for in slices (``wait(timeout)``), not polled with sleeps."""
+    import time
+
+    import torch
+
+    from accelerate_memsafe.distributed import collectives as C
+
+    calls: list[tuple[str, float | None]] = []
+
+    class Recorded:  # the gloo work, with the calls made on it recorded
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, timeout=None):
+            calls.append(("wait", None if timeout is None else timeout.total_seconds()))
+            return self.work.wait() if timeout is None else self.work.wait(timeout=timeout)
+
+        def is_completed(self):
+            calls.append(("is_completed", None))
+            return self.work.is_completed()
+
+    coll = C.Collectives("test", timeout_s=60)
+    if rank == 1:
+        time.sleep(delay_s)
+    t = torch.full((3,), float(rank + 1))
+    coll.run("test all_reduce", lambda: Recorded(C.dist.all_reduce(t, group=coll.group, async_op=True)))
+    after = torch.ones(2)
+    coll.all_reduce(after, what="the next collective")  # the process group is still in step
+    return {"value": t.tolist(), "after": after.tolist(), "calls": calls, "sliced": coll._sliced_waits}
+
+
 def exchanges_through_one_waiter(rank: int, world_size: int, *, rounds: int) -> dict[str, Any]:
     """``rounds`` point-to-point exchanges, two on the wire at a time, as the transport posts them: what arrived,
     and how many waiter threads the process ran (one per :class:`Collectives`, not one per exchange)."""

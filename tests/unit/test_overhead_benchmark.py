@@ -1,0 +1,50 @@
+"""``benchmarks/overhead.py``'s statistics: the interval of the ratio of median ``prepare`` walls, and the plugin's
+own time per launch (the slowest rank's wall less the most stock-equivalent work any rank did)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load():
+    sys.path.insert(0, str(_DIR))  # overhead.py imports its siblings
+    try:
+        spec = importlib.util.spec_from_file_location("overhead_bench", _DIR / "overhead.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(_DIR))
+
+
+overhead = _load()
+
+
+def test_the_interval_holds_the_ratio_of_medians_and_narrows_with_steadier_walls():
+    stock = [1.00, 1.02, 0.98, 1.01, 0.99, 1.03, 0.97, 1.00, 1.02, 0.98]
+    plugin = [w * 1.04 for w in stock]
+    lo, hi = overhead.median_ratio_interval(plugin, stock)
+    assert lo <= 1.04 <= hi
+    assert overhead.median_ratio_interval(plugin, stock) == (lo, hi)  # a fixed seed: the same walls, the same interval
+    noisy = [w * f for w, f in zip(plugin, [0.8, 1.3, 0.9, 1.2, 1.0, 0.85, 1.25, 1.1, 0.95, 1.15])]
+    nlo, nhi = overhead.median_ratio_interval(noisy, stock)
+    assert nhi - nlo > hi - lo
+
+
+def test_the_own_time_is_the_slowest_wall_less_the_most_stock_work(monkeypatch):
+    # rank 1's wall is the slowest (it waited for rank 0 at the last agreement), rank 0 did the most stock work
+    ranks = [{"rank": 0, "prepare_s": 0.150, "prepare_stock_work_s": 0.140, "save_state_s": [1.0], "commit_tail_s": [0.0],
+              "load_state_s": [0.5], "cpu": {h: [0.1] for h in overhead.HOOKS}},
+             {"rank": 1, "prepare_s": 0.151, "prepare_stock_work_s": 0.120, "save_state_s": [1.1], "commit_tail_s": [0.0],
+              "load_state_s": [0.4], "cpu": {h: [0.1] for h in overhead.HOOKS}}]
+    monkeypatch.setattr(overhead, "spawn", lambda *a, **k: ranks)
+    got = overhead._launch(2, "default", "100m", 1, None)
+    assert got["prepare_s"] == 0.151
+    assert abs(got["prepare_own_s"] - 0.011) < 1e-12
+    for r in ranks:
+        r["prepare_stock_work_s"] = None  # stock's launches have no report
+    assert "prepare_own_s" not in overhead._launch(2, "stock", "100m", 1, None)
