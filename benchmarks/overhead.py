@@ -390,7 +390,7 @@ def markdown(doc: dict) -> str:
              f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW "
              f"({'loaded from its checkpoint by transformers on every rank' if doc.get('load') == 'checkpoint' else 'the same random weights built on every rank'}), best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
-             "over stock's in the same setting; `prepare` runs once per launch (a process's first), so the last five "
+             "over stock's in the same setting; `prepare` runs once per launch (a process's first), so the last six "
              "columns give its median over the launches, the 90% bootstrap interval of the ratio of medians, and the "
              "plugin's own part of its wall (the slowest rank's wall minus the most work any rank did that stock does "
              "too: accelerate's own `prepare` call, accelerate's FSDP2 wrapping, which the `shard` stage runs in its "
@@ -398,9 +398,9 @@ def markdown(doc: dict) -> str:
              "`prepare`:\n",
              "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ratio "
              "| save_state ratio | load_state ratio | added per hook (s): prepare / save / load | prepare, median of launches (s) "
-             "| prepare median ratio | prepare median ratio, 90% interval | plugin's own time in prepare, median (s) "
-             "| own time / stock prepare median |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prepare median ratio | median ratio, 90% interval low | median ratio, 90% interval high "
+             "| plugin's own time in prepare, median (s) | own time / stock prepare median (%) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, by_path in doc["runs"].items():
         for path, r in by_path.items():
             q = doc["ratios"][setting].get(path)
@@ -414,8 +414,8 @@ def markdown(doc: dict) -> str:
                             else "- | -")
             ci = r.get("prepare_median_ratio_ci90")
             own = r.get("prepare_own_median_s")
-            median_cells += f" | {ci[0]:.2f} - {ci[1]:.2f}" if ci else " | -"
-            median_cells += (f" | {own:.4f} | {100 * own / stock_median:.1f}%" if own is not None and stock_median
+            median_cells += f" | {ci[0]:.2f} | {ci[1]:.2f}" if ci else " | - | -"
+            median_cells += (f" | {own:.4f} | {100 * own / stock_median:.1f}" if own is not None and stock_median
                              else " | - | -")
             lines.append(f"| {setting} | {path} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} "
                          f"| {tail} | {ratio} | {add} | {median_cells} |")

@@ -585,8 +585,8 @@ class Collectives:
     def _wait_in_slices(self, work: Any, what: str, started: float, index: int) -> None:
         """:meth:`_wait` for works whose ``wait(timeout)`` only raises when the timeout runs out (gloo's collectives:
         "Operation timed out!", the op goes on; :class:`_Works`): blocks up to :data:`PEER_CHECK_INTERVAL_S` at a
-        time, so the op's end wakes it at once (polling with growing sleeps noticed a 0.4 ms all-gather about 0.2 ms
-        late), and between two slices leaves the slow op's mark and looks at the failure board. A ``wait`` that
+        time, so the op's end wakes it at once (polling with growing sleeps noticed the end of a short op only at the
+        next poll), and between two slices leaves the slow op's mark and looks at the failure board. A ``wait`` that
         raises on a completed work raised the op's own error, which goes to the caller."""
         deadline = started + self.timeout_s
         marked = False
