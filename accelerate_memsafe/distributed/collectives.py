@@ -492,11 +492,7 @@ class Collectives:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size(group)
         self.ranks = list(range(self.world_size)) if group is None else dist.get_process_group_ranks(group)
-        backend = str(dist.get_backend(group)).lower()
-        self.device = _comm_device(group, backend)
-        # gloo's works wait on a condition variable, and one whose timeout runs out only raises (the op goes on):
-        # waiting in slices wakes at the op's end, not at the next poll (see `_wait`)
-        self._sliced_waits = "gloo" in backend
+        self.device = _comm_device(group)
         check_not_abandoned(group)
         self._scope = _SCOPES[-1] if _SCOPES else None
         if self._scope is not None:
@@ -540,14 +536,15 @@ class Collectives:
         """Waits for ``work`` until it completes, looking at the hook's failure board every
         :data:`PEER_CHECK_INTERVAL_S` while it is pending; gives up at ``started + timeout_s``.
 
-        A gloo collective and the point-to-point ops (:class:`_Works`) are waited for in slices of
-        :data:`PEER_CHECK_INTERVAL_S` (:meth:`_wait_in_slices`): the wait wakes when the op ends. Other backends'
-        ops are polled: on NCCL (and its relatives) a ``wait`` that times out aborts the communicator, so only the
-        overall deadline goes through ``wait`` there.
+        The point-to-point ops (:class:`_Works`, a thread's event) are waited for in slices of
+        :data:`PEER_CHECK_INTERVAL_S` (:meth:`_wait_in_slices`): the wait wakes when the ops end. A backend's work is
+        polled, and only the overall deadline goes through its ``wait``: on NCCL (and its relatives) a ``wait`` that
+        times out aborts the communicator, and on gloo, waited for in slices of ``wait(timeout)``, the demo's rank 1
+        ended in ``std::terminate`` at exit in a CI run ("terminate called without an active exception").
         """
         deadline = started + self.timeout_s
         index = self._count - 1 if index is None else index
-        if self._sliced_waits or isinstance(work, _Works):
+        if isinstance(work, _Works):
             self._wait_in_slices(work, what, started, index)
             return
         try:
@@ -583,10 +580,9 @@ class Collectives:
         work.wait()  # returns at once or raises the op's error; on NCCL orders the current stream after it
 
     def _wait_in_slices(self, work: Any, what: str, started: float, index: int) -> None:
-        """:meth:`_wait` for works whose ``wait(timeout)`` only raises when the timeout runs out (gloo's collectives:
-        "Operation timed out!", the op goes on; :class:`_Works`): blocks up to :data:`PEER_CHECK_INTERVAL_S` at a
-        time, so the op's end wakes it at once (polling with growing sleeps noticed the end of a short op only at the
-        next poll), and between two slices leaves the slow op's mark and looks at the failure board. A ``wait`` that
+        """:meth:`_wait` for works whose ``wait(timeout)`` only raises when the timeout runs out, with no other effect
+        (:class:`_Works`: a thread's event): blocks up to :data:`PEER_CHECK_INTERVAL_S` at a time, so the ops' end
+        wakes it at once, and between two slices leaves the slow op's mark and looks at the failure board. A ``wait`` that
         raises on a completed work raised the op's own error, which goes to the caller."""
         deadline = started + self.timeout_s
         marked = False
@@ -807,10 +803,10 @@ def _size_of(first: torch.Tensor) -> int:
     return int.from_bytes(first[:8].numpy().tobytes(), "little")
 
 
-def _comm_device(group: Any, backend: str | None = None) -> torch.device:
+def _comm_device(group: Any) -> torch.device:
     """The device a collective's tensors must be on: the CPU when the group has gloo, else the accelerator
-    (NCCL and friends take device tensors only). ``backend``: the group's, lower-case, when the caller has it."""
-    backend = str(dist.get_backend(group)).lower() if backend is None else backend
+    (NCCL and friends take device tensors only)."""
+    backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend:
         return torch.device("cpu")
     if "nccl" in backend:

@@ -23,22 +23,15 @@ def test_object_collectives_round_trip_objects_of_any_size():
     assert results[0]["ops"] == results[1]["ops"] == [2, 3, 4]
 
 
-def test_a_gloo_collective_is_waited_for_in_slices_that_wake_at_its_end():
-    # rank 1 arrives late: rank 0 blocks in the work's own wait, a slice of PEER_CHECK_INTERVAL_S at a time (a slice
-    # that runs out only raises, the op goes on), instead of polling it with sleeps; the result is right and the
-    # process group stays usable
-    delay = 2.5 * PEER_CHECK_INTERVAL_S
-    results = run_on_ranks(w.waits_in_slices, 2, timeout=120, delay_s=delay)
+def test_a_gloo_collective_is_polled_and_its_wait_never_times_out():
+    # rank 1 arrives late: rank 0 polls the work (is_completed) and calls its wait only once it completed, without a
+    # timeout (waiting in slices of wait(timeout) was tried: the demo's rank 1 then aborted at exit in a CI run)
+    results = run_on_ranks(w.late_peer_collective, 2, timeout=120, delay_s=2.5 * PEER_CHECK_INTERVAL_S)
     for res in results:
-        assert res["sliced"] is True
         assert res["value"] == [3.0, 3.0, 3.0] and res["after"] == [2.0, 2.0]
         waits = [t for name, t in res["calls"] if name == "wait"]
-        assert waits and all(t is not None and 0 < t <= PEER_CHECK_INTERVAL_S for t in waits[:-1]), res["calls"]
-        # one is_completed per slice that ran out, not one per poll
-        assert sum(name == "is_completed" for name, _ in res["calls"]) <= len(waits), res["calls"]
-    rank0 = [t for name, t in results[0]["calls"] if name == "wait"]
-    assert len(rank0) >= 2, results[0]["calls"]  # rank 0 waited more than one slice for rank 1
-    assert len(rank0) <= 5, results[0]["calls"]  # ... and about delay / PEER_CHECK_INTERVAL_S of them
+        assert waits == [None], res["calls"]
+    assert sum(name == "is_completed" for name, _ in results[0]["calls"]) > 1  # rank 0 waited for rank 1
 
 
 def test_point_to_point_exchanges_are_waited_for_by_one_thread_in_order():
