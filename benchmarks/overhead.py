@@ -46,6 +46,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -147,8 +148,8 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             shutil.rmtree(target)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return {"rank": rank, "prepare_s": prepare_s, "prepare_stock_work_s": stock_work_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,
-            "cpu": cpu}
+    return {"rank": rank, "prepare_s": prepare_s, "prepare_stock_work_s": stock_work_s, "save_state_s": saves,
+            "commit_tail_s": tails, "load_state_s": loads, "cpu": cpu}
 
 
 def _stock_work(acc, rank: int) -> float | None:
@@ -309,8 +310,6 @@ def median_ratio_interval(values: list[float], stock: list[float], *, level: flo
         >>> 1.0 <= lo <= 1.1 <= hi <= 1.2
         True
     """
-    import random
-
     rng = random.Random(seed)
     ratios = sorted(statistics.median(rng.choices(values, k=len(values))) /
                     statistics.median(rng.choices(stock, k=len(stock))) for _ in range(resamples))

@@ -559,19 +559,12 @@ class Collectives:
         sleep = _FIRST_SLEEP_S
         while not done:
             now = time.monotonic()
-            if now >= deadline:
-                _abandon(work, self.group, f"{what} in stage `{self.stage}`")
-                raise TimeoutError(f"still pending after {now - started:.1f}s")
-            if now >= next_check and not marked:
+            checking = now >= next_check
+            if checking and not marked:
                 self._arrive(index)  # only a slow op leaves a mark: the fast path has no store traffic
                 marked = True
-            if now >= next_check and self._scope is not None:
-                failures = self._scope.peer_failures()
-                if failures:
-                    _abandon(work, self.group, f"{what} in stage `{self.stage}`")
-                    raise self._scope.peer_error(
-                        failures, stopped=f"in stage `{self.stage}` ({what}) after {now - started:.1f}s", abandoned=True
-                    )
+            self._stop_if_due(work, what, started, now, look_at_board=checking)
+            if checking:
                 next_check = now + PEER_CHECK_INTERVAL_S
             if now >= spin_until:
                 time.sleep(min(sleep, deadline - now))
@@ -588,9 +581,7 @@ class Collectives:
         marked = False
         while True:
             now = time.monotonic()
-            if now >= deadline:
-                _abandon(work, self.group, f"{what} in stage `{self.stage}`")
-                raise TimeoutError(f"still pending after {now - started:.1f}s")
+            self._stop_if_due(work, what, started, now, look_at_board=marked)
             try:
                 work.wait(timeout=datetime.timedelta(seconds=min(PEER_CHECK_INTERVAL_S, deadline - now)))
                 return
@@ -601,13 +592,24 @@ class Collectives:
             if not marked:
                 self._arrive(index)  # only a slow op leaves a mark: the fast path has no store traffic
                 marked = True
-            if self._scope is not None:
-                failures = self._scope.peer_failures()
-                if failures:
-                    _abandon(work, self.group, f"{what} in stage `{self.stage}`")
-                    raise self._scope.peer_error(
-                        failures, stopped=f"in stage `{self.stage}` ({what}) after {time.monotonic() - started:.1f}s",
-                        abandoned=True)
+
+    def _stop_if_due(self, work: Any, what: str, started: float, now: float, *, look_at_board: bool) -> None:
+        """Gives up on the pending ``work`` (the process group is then out of step, :func:`_abandon`) past the
+        deadline, or, with ``look_at_board``, when a peer published a failure.
+
+        Raises:
+            TimeoutError: Past ``started + timeout_s`` (the caller turns it into a ``CollectiveTimeoutError``).
+            PeerStageError: If another rank failed during this hook call.
+        """
+        if now >= started + self.timeout_s:
+            _abandon(work, self.group, f"{what} in stage `{self.stage}`")
+            raise TimeoutError(f"still pending after {now - started:.1f}s")
+        if look_at_board and self._scope is not None:
+            failures = self._scope.peer_failures()
+            if failures:
+                _abandon(work, self.group, f"{what} in stage `{self.stage}`")
+                raise self._scope.peer_error(
+                    failures, stopped=f"in stage `{self.stage}` ({what}) after {now - started:.1f}s", abandoned=True)
 
     def run(self, what: str, start: Callable[[], Any]) -> None:
         """Starts an async collective with ``start()`` and waits for it with the deadline.
