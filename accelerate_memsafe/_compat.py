@@ -393,6 +393,24 @@ def default_store() -> Any:
         return None
 
 
+def local_numel(tensor: torch.Tensor) -> int:
+    """Elements this rank holds of ``tensor``: its local shard's for a ``DTensor``, all of them otherwise.
+
+    ``DTensor.to_local()`` is the public way, but each call goes through an autograd function (0.3 ms for the
+    75 parameters of a 100M-parameter Llama on a process's first ``prepare``); the ``shard`` stage's report reads
+    the local tensor that ``DTensor`` keeps as its private attribute ``_local_tensor`` instead (the same tensor
+    ``to_local()`` returns), falling back to ``to_local()`` where a torch version has no such attribute.
+    """
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local.numel()
+    to_local = getattr(tensor, "to_local", None)
+    if to_local is None:
+        return tensor.numel()
+    with torch.no_grad():
+        return to_local().numel()
+
+
 #: torch versions whose ``torch.load(map_location="meta")`` records ``_checkpoint_offset`` on storages.
 TESTED_TORCH_CHECKPOINT_OFFSET = Version("2.6.0")
 

@@ -155,7 +155,8 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
 def _stock_work(acc, rank: int) -> float | None:
     """The part of this rank's ``prepare`` wall that a stock ``prepare`` does too, from the plugin's report:
     accelerate's own ``prepare`` call (the ``accelerate.prepare`` record), accelerate's FSDP2 wrapping, which the
-    ``shard`` stage runs in its place (``fsdp2_wrap_s``: ``fsdp2_prepare_model`` and its ``fully_shard`` calls), and
+    ``shard`` stage runs in its place (``fsdp2_wrap_s``: ``fsdp2_prepare_model`` and its ``fully_shard`` calls, less
+    ``own_in_wrap_s``, the plugin's group filter called from inside them), and
     freeing the unsharded weights (``unsharded_release_s``: unmapping the checkpoint's pages, about 4 ms for the
     ``100m`` model, which stock pays when it switches its optimizer to the shards). ``None`` for stock. The slowest
     rank's wall minus the largest of these over the ranks is the plugin's own time (:func:`_launch`): the preflight,
@@ -166,8 +167,8 @@ def _stock_work(acc, rank: int) -> float | None:
         return None
     records = plugin.report.find(hook="prepare", rank=rank)
     upstream = [r.wall_s for r in records if r.stage == "accelerate.prepare"]
-    wrap = [r.details.get("fsdp2_wrap_s", 0.0) + r.details.get("unsharded_release_s", 0.0)
-            for r in records if r.stage == "shard" and r.status == "ran"]
+    wrap = [r.details.get("fsdp2_wrap_s", 0.0) - r.details.get("own_in_wrap_s", 0.0)
+            + r.details.get("unsharded_release_s", 0.0) for r in records if r.stage == "shard" and r.status == "ran"]
     return sum(upstream) + sum(wrap) if upstream else None
 
 

@@ -160,11 +160,12 @@ class InPlace:
     """Why not (``None`` when in place)."""
 
 
-def named_weights(model: nn.Module, layout: list | None = None) -> dict[str, torch.Tensor]:
+def named_weights(model: nn.Module, layout: list | None = None, *, detach: bool = True) -> dict[str, torch.Tensor]:
     """Canonical name -> detached tensor of every parameter and persistent buffer, every name of a tie
     included (the aliases map to one tensor object), as :func:`~accelerate_memsafe.distributed.meta.move_to_meta`
     names rank 0's originals. ``layout``: a list that receives ``(name, shape, dtype, is_param,
-    requires_grad)`` of each name, in order (what every rank must agree on).
+    requires_grad)`` of each name, in order (what every rank must agree on). ``detach=False``: the tensors
+    themselves (for a caller that only reads where their bytes lie).
 
     Example:
         >>> a = nn.Linear(2, 2); m = nn.Sequential(a, nn.Linear(2, 2)); m[1].weight = a.weight
@@ -180,7 +181,7 @@ def named_weights(model: nn.Module, layout: list | None = None) -> dict[str, tor
         tensors += [(k, b, False) for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set]
         for local, t, is_param in tensors:
             if id(t) not in detached:
-                detached[id(t)] = t.detach()
+                detached[id(t)] = t.detach() if detach else t
             name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
             if name not in out:
                 out[name] = detached[id(t)]
@@ -215,7 +216,7 @@ def in_place_claim(model: nn.Module, rank: int, *, mixed_precision: str) -> tupl
         return None, (f"rank {rank}: mixed precision makes accelerate cast {len(upcast)} weight(s) to fp32 (e.g. "
                       f"`{upcast[0]}`), a private copy of each")
     layout: list = []
-    tensors = named_weights(model, layout)
+    tensors = named_weights(model, layout, detach=False)  # only where their bytes lie is read
     off = next((n for n, t in tensors.items() if t.device.type != "cpu"), None)
     if off is not None:
         return None, f"rank {rank}: `{off}` is on {tensors[off].device}, not mapped from a file"

@@ -236,7 +236,10 @@ def parallelism_blocks_meta_placement(model: Any, parallelism_config: Any) -> st
     from torch.distributed.tensor import DTensor
 
     already = None
-    if model is not None and any(isinstance(p, DTensor) for p in walk.parameters(model)):  # names built only then
+    # a plain `nn.Parameter` is no DTensor (a parameter of a tensor subclass has the subclass's type): the
+    # isinstance check, slow on DTensor's class, runs only for the others
+    if model is not None and any(type(p) is not nn.Parameter and isinstance(p, DTensor)
+                                 for p in walk.parameters(model)):  # names built only then
         already = next(n for n, p in walk.named_parameters(model) if isinstance(p, DTensor))
     if already is not None:
         return (f"the model is already distributed (`{already}` is a DTensor, e.g. loaded with `tp_plan`): each rank "

@@ -53,6 +53,8 @@ def canonical_name(name: str) -> str:
         >>> canonical_name("layers.0._checkpoint_wrapped_module.mlp.weight")
         'layers.0.mlp.weight'
     """
+    if "_checkpoint_wrapped_module" not in name and "_orig_mod" not in name:
+        return name  # the common case: no wrapper in the name
     name = name.replace("._checkpoint_wrapped_module", "").replace("_checkpoint_wrapped_module.", "")
     return name.replace("_orig_mod.", "").replace("._orig_mod", "")
 
@@ -278,6 +280,7 @@ def shard_model(
     device: torch.device | None = None,
     on_group: Callable[[list[torch.nn.Module]], None] | None = None,
     timings: dict[str, float] | None = None,
+    counts: dict[str, int] | None = None,
 ) -> torch.nn.Module:
     """Applies ``fully_shard`` the way accelerate does and remaps the optimizers onto the DTensor params.
 
@@ -296,9 +299,12 @@ def shard_model(
         on_group: Told of the modules of every FSDP group once ``fully_shard`` made it (the root's last, after
             accelerate's call returned): their parameters are sharded by then.
         timings: Receives ``fsdp2_wrap_s``, the wall of accelerate's own wrapping call (``fsdp2_prepare_model``,
-            its ``fully_shard`` calls included), and ``unsharded_release_s``, the wall of dropping the last
+            its ``fully_shard`` calls included), ``own_in_wrap_s``, the part of it spent in this function's own
+            callbacks (the group filter, ``on_group``), and ``unsharded_release_s``, the wall of dropping the last
             references this function holds to the unsharded weights (where nothing else holds them, freeing them:
             unmapping a checkpoint's pages): the parts of this function that a stock ``prepare`` runs too.
+        counts: Receives ``parameters`` (the sharded model's parameters, each once) and ``local_elements`` (the
+            elements of their shards this rank holds), read from the walk that remaps the optimizers.
 
     Returns:
         The sharded model (the same object, now an ``FSDPModule``).
@@ -321,14 +327,26 @@ def shard_model(
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
         drop_cache_under_checkpointing(model)
     groups = GroupFilter(model)
+    own = [0.0]  # the wall of this function's callbacks inside accelerate's wrapping call
+
+    def select(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        t = time.perf_counter()
+        try:
+            return groups.select(modules)
+        finally:
+            own[0] += time.perf_counter() - t
 
     def formed(modules: list[torch.nn.Module]) -> None:
-        groups.formed(modules)
-        if on_group is not None:
-            on_group(modules)
+        t = time.perf_counter()
+        try:
+            groups.formed(modules)
+            if on_group is not None:
+                on_group(modules)
+        finally:
+            own[0] += time.perf_counter() - t
 
     started = time.perf_counter()
-    with _compat.filtered_fully_shard(model, groups.select, formed):
+    with _compat.filtered_fully_shard(model, select, formed):
         model = _compat.fsdp2_wrap(
             model,
             fsdp_plugin=fsdp_plugin,
@@ -340,9 +358,15 @@ def shard_model(
         )
     if timings is not None:
         timings["fsdp2_wrap_s"] = time.perf_counter() - started
+        timings["own_in_wrap_s"] = own[0]
     if on_group is not None:
         on_group([model])
-    remap_optimizer_params(optimizers, old, named_parameters_canonical(model))
+    new = named_parameters_canonical(model)
+    remap_optimizer_params(optimizers, old, new)
+    if counts is not None:
+        counts["parameters"] = len(new)
+        counts["local_elements"] = sum(_compat.local_numel(p) for p in new.values())
+    del new
     started = time.perf_counter()
     # the last references to the unsharded weights here (the optimizers point at the shards now): what freeing them
     # costs (unmapping a mapped checkpoint's pages) a stock prepare pays too, when it switches its optimizers

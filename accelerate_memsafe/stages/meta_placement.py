@@ -102,8 +102,14 @@ class MetaPlacementStage(Stage):
         return in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         blocker = self.in_place_blocker(ctx)
+        colls: list[Collectives] = []  # made when a collective runs: deciding from the preflight's claims needs none
+
+        def coll() -> Collectives:
+            if not colls:
+                colls.append(Collectives(self.name, timeout_s=self.options.collective_timeout_s))
+            return colls[0]
+
         claims = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
         if blocker:
             decision = None
@@ -111,11 +117,11 @@ class MetaPlacementStage(Stage):
             ctx.scratch.pop(_CLAIM_KEY)
             decision = decide_in_place(claims)
         else:  # run outside a pipeline's preflight: the ranks exchange their claims here
-            decision = agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
+            decision = agree_on_in_place(coll(), ctx.model, mixed_precision=ctx.mixed_precision)
         if decision is not None and decision.in_place:
             ctx.scratch[IN_PLACE_KEY] = True
             return ran(in_place=True, tensors=len(walk.parameters(ctx.model)))
-        reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
+        reference = agree_on_structure(ctx.model, coll(), check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0
         originals = move_to_meta(ctx.model, ctx.optimizers, reference, keep=is_src)
         details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference), "in_place": False,

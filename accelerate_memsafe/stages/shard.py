@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
-from .. import walk
 from ..distributed.local_read import MappedParameterPages
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
 from ..pipeline import HookContext, Stage, StageOutcome, ran
@@ -40,6 +37,7 @@ class ShardStage(Stage):
         in_place = bool(ctx.scratch.get(IN_PLACE_KEY))
         pages = MappedParameterPages(ctx.model) if in_place and self.options.drop_file_pages else None
         timings: dict[str, float] = {}
+        counts: dict[str, int] = {}
         ctx.model = shard_model(
             ctx.model,
             ctx.optimizers,
@@ -51,14 +49,12 @@ class ShardStage(Stage):
             device=ctx.device,
             on_group=pages.formed if pages is not None else None,
             timings=timings,
+            counts=counts,
         )
         ctx.scratch["sharded"] = True
-        params = walk.parameters(ctx.model)
-        with torch.no_grad():  # DTensor.to_local() without autograd returns the local tensor as it is
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
         dropped = {"file_pages_dropped_bytes": pages.bytes_dropped} if pages is not None else {}
-        # the walls of accelerate's own wrapping and of freeing the unsharded weights (a stock `prepare` runs both too):
-        # the rest of the stage is the plugin's own work
-        return ran(parameters=len(params), local_elements=local, world_size=ctx.world_size,
-                   fsdp2_wrap_s=round(timings["fsdp2_wrap_s"], 6),
+        # the walls of accelerate's own wrapping and of freeing the unsharded weights (a stock `prepare` runs both too),
+        # and the part of the wrapping spent in the plugin's callbacks: the rest of the stage is the plugin's own work
+        return ran(**counts, world_size=ctx.world_size,
+                   fsdp2_wrap_s=round(timings["fsdp2_wrap_s"], 6), own_in_wrap_s=round(timings["own_in_wrap_s"], 6),
                    unsharded_release_s=round(timings["unsharded_release_s"], 6), **tp_details, **dropped)

@@ -27,6 +27,12 @@ def test_subclass_shards_with_fsdp2_and_reports(tiny_llama_dir):
             details = r["details"]
             assert 0 < details["fsdp2_wrap_s"] and 0 <= details["unsharded_release_s"], details
             assert details["fsdp2_wrap_s"] + details["unsharded_release_s"] <= r["wall_s"], (details, r["wall_s"])
+            assert 0 < details["own_in_wrap_s"] < details["fsdp2_wrap_s"], details  # the group filter ran inside
+            # the counts the stage reads from its remapping walk (`_compat.local_numel`) are the public API's:
+            # this rank's `named_parameters`, and the elements of their `DTensor.to_local()` shards
+            mine = results[r["rank"]]["params"]
+            assert details["parameters"] == len(mine), (details, len(mine))
+            assert details["local_elements"] == sum(p["local"].numel() for p in mine.values()), details
         assert "| prepare | shard |" in res["markdown"]
     # half the rows of every parameter on each rank (tiny llama dims are even)
     from transformers import AutoModelForCausalLM

@@ -86,3 +86,22 @@ def test_tp_already_applied_replaces_accelerates_prepare_tp_with_its_non_model_p
         out = acc._prepare_tp(model, "opt")
     assert out[0] is model and out[1] == "opt''" and calls == [("opt", True), ("opt'", False)]
     assert not hasattr(acc, "_prepare_tp"), "the accelerator's own method is back after the block"
+
+
+def test_local_numel_reads_the_local_shard_and_falls_back_to_the_public_api():
+    import torch
+
+    class Sharded:  # what `_compat.local_numel` reads of a DTensor: its `_local_tensor`
+        _local_tensor = torch.zeros(3, 4)
+
+        def to_local(self):
+            raise AssertionError("the local tensor was there to read")
+
+    class OnlyPublic:  # a DTensor of a torch without `_local_tensor`: `to_local()`, without autograd
+        def to_local(self):
+            assert not torch.is_grad_enabled()
+            return torch.zeros(5)
+
+    assert _compat.local_numel(torch.zeros(2, 3)) == 6
+    assert _compat.local_numel(Sharded()) == 12
+    assert _compat.local_numel(OnlyPublic()) == 5

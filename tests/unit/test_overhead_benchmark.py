@@ -48,3 +48,21 @@ def test_the_own_time_is_the_slowest_wall_less_the_most_stock_work(monkeypatch):
     for r in ranks:
         r["prepare_stock_work_s"] = None  # stock's launches have no report
     assert "prepare_own_s" not in overhead._launch(2, "stock", "100m", 1, None)
+
+
+def test_the_stock_work_leaves_out_the_plugins_callbacks_inside_accelerates_wrapping():
+    from types import SimpleNamespace
+
+    from accelerate_memsafe.memory.report import MemoryReport, StageRecord
+
+    report = MemoryReport()
+    report.add(StageRecord(hook="prepare", stage="shard", rank=0, status="ran", reason=None, wall_s=0.120,
+                           details={"fsdp2_wrap_s": 0.100, "own_in_wrap_s": 0.003, "unsharded_release_s": 0.004}))
+    report.add(StageRecord(hook="prepare", stage="accelerate.prepare", rank=0, status="ran", reason=None,
+                           wall_s=0.002))
+    report.add(StageRecord(hook="prepare", stage="accelerate.prepare", rank=1, status="ran", reason=None,
+                           wall_s=0.5))
+    acc = SimpleNamespace(memsafe_plugin=SimpleNamespace(report=report))
+    # accelerate's call, its wrapping less the group filter's callbacks, freeing the weights; rank 1's records apart
+    assert abs(overhead._stock_work(acc, 0) - (0.002 + 0.100 - 0.003 + 0.004)) < 1e-12
+    assert overhead._stock_work(SimpleNamespace(), 0) is None  # stock: no report
