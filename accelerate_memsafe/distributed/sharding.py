@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,16 +119,20 @@ def _implements_forward(module: torch.nn.Module) -> bool:
     return type(module).forward is not torch.nn.Module.forward
 
 
-def _group_params(module: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+def _group_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters a ``fully_shard(module)`` would manage: those of ``module`` and of its descendants,
-    not looking inside descendants that already are FSDP groups."""
+    not looking inside descendants that already are FSDP groups (a module reached twice gives its parameters
+    twice: the callers only test membership). A plain loop over ``_modules``: a wrap policy asks it for every
+    ``fully_shard`` call, and torch's nested generators cost most of the time."""
     from torch.distributed.fsdp import FSDPModule
 
+    out: list[torch.nn.Parameter] = []
     stack = [module]
     while stack:
         mod = stack.pop()
-        yield from (p for p in mod._parameters.values() if p is not None)
-        stack.extend(c for c in mod.children() if not isinstance(c, FSDPModule))
+        out.extend(p for p in mod._parameters.values() if p is not None)
+        stack.extend(c for c in mod._modules.values() if c is not None and not isinstance(c, FSDPModule))
+    return out
 
 
 class GroupFilter:
@@ -161,7 +165,7 @@ class GroupFilter:
         calls cost one walk of the tree, not one each."""
         if self._owners is None:
             self._owners = {}
-            for mod in self.root.modules():
+            for mod in walk.modules(self.root):
                 self._add_owner(mod)
         return self._owners
 
@@ -171,19 +175,28 @@ class GroupFilter:
                 self._owners.setdefault(id(p), set()).add(id(mod))
 
     def select(self, modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        kept = [m for m in modules if _implements_forward(m) and not any(id(p) in self.managed for p in _group_params(m))]
+        # (module, the ids of the parameters its group would manage, its subtree): each walked once per call
+        candidates = []
+        for m in modules:
+            if not _implements_forward(m):
+                continue
+            ids = [id(p) for p in _group_params(m)]
+            if not any(pid in self.managed for pid in ids):
+                candidates.append((m, ids, walk.modules(m)))
         owners = self._owner_map()
-        while kept:
-            inside = {id(m) for k in kept for m in k.modules()}
-            split = [k for k in kept if any(not owners[id(p)] <= inside for p in _group_params(k))]
-            if not split:
+        while candidates:
+            inside = {id(sub) for _, _, subtree in candidates for sub in subtree}
+            kept = [c for c in candidates if all(owners[pid] <= inside for pid in c[1])]
+            if len(kept) == len(candidates):
                 break
-            kept = [k for k in kept if k not in split]
-        self.dropped.extend(type(m).__name__ for m in modules if m not in kept)
+            candidates = kept
+        kept_modules = [m for m, _, _ in candidates]
+        chosen = {id(m) for m in kept_modules}
+        self.dropped.extend(type(m).__name__ for m in modules if id(m) not in chosen)
         # what the kept modules hold now, to put the owner map right once `fully_shard` replaced it (`formed`)
-        self._selected = [(m, [id(p) for p in m._parameters.values() if p is not None])
-                          for k in kept for m in k.modules()]
-        return kept
+        self._selected = [(sub, [id(p) for p in sub._parameters.values() if p is not None])
+                          for _, _, subtree in candidates for sub in subtree]
+        return kept_modules
 
     def formed(self, modules: list[torch.nn.Module]) -> None:
         for m in modules:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from accelerate_memsafe import walk
 from accelerate_memsafe.distributed.sharding import GroupFilter, resolve_wrap_policy
 
 
@@ -141,14 +142,20 @@ def test_the_owner_map_kept_up_to_date_equals_one_built_afresh_after_every_group
 def test_the_owner_map_walks_the_tree_once_for_many_calls(monkeypatch):
     m = Model()
     walks = []
-    real = nn.Module.modules
+    real_method, real_walk = nn.Module.modules, walk.modules
 
     def counting(self):
         if self is m:
             walks.append(1)
-        return real(self)
+        return real_method(self)
 
-    monkeypatch.setattr(nn.Module, "modules", counting)
+    def counting_walk(module):
+        if module is m:
+            walks.append(1)
+        return real_walk(module)
+
+    monkeypatch.setattr(nn.Module, "modules", counting)  # either way of walking the whole tree counts
+    monkeypatch.setattr(walk, "modules", counting_walk)
     f = GroupFilter(m)
     for layer in m.layers:
         kept = f.select([layer])
