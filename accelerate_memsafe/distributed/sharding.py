@@ -342,24 +342,22 @@ def shard_model(
     groups = GroupFilter(model)
     own = [0.0]  # the wall of this function's callbacks inside accelerate's wrapping call
 
-    def select(modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        t = time.perf_counter()
-        try:
-            return groups.select(modules)
-        finally:
-            own[0] += time.perf_counter() - t
+    def timed(callback: Callable[[list[torch.nn.Module]], Any]) -> Callable[[list[torch.nn.Module]], Any]:
+        def call(modules: list[torch.nn.Module]) -> Any:
+            t = time.perf_counter()
+            try:
+                return callback(modules)
+            finally:
+                own[0] += time.perf_counter() - t
+        return call
 
     def formed(modules: list[torch.nn.Module]) -> None:
-        t = time.perf_counter()
-        try:
-            groups.formed(modules)
-            if on_group is not None:
-                on_group(modules)
-        finally:
-            own[0] += time.perf_counter() - t
+        groups.formed(modules)
+        if on_group is not None:
+            on_group(modules)
 
     started = time.perf_counter()
-    with _compat.filtered_fully_shard(model, select, formed):
+    with _compat.filtered_fully_shard(model, timed(groups.select), timed(formed)):
         model = _compat.fsdp2_wrap(
             model,
             fsdp_plugin=fsdp_plugin,

@@ -103,13 +103,7 @@ class MetaPlacementStage(Stage):
 
     def run(self, ctx: HookContext) -> StageOutcome:
         blocker = self.in_place_blocker(ctx)
-        colls: list[Collectives] = []  # made when a collective runs: deciding from the preflight's claims needs none
-
-        def coll() -> Collectives:
-            if not colls:
-                colls.append(Collectives(self.name, timeout_s=self.options.collective_timeout_s))
-            return colls[0]
-
+        coll = None  # made when a collective runs: deciding from the preflight's claims needs none
         claims = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
         if blocker:
             decision = None
@@ -117,11 +111,13 @@ class MetaPlacementStage(Stage):
             ctx.scratch.pop(_CLAIM_KEY)
             decision = decide_in_place(claims)
         else:  # run outside a pipeline's preflight: the ranks exchange their claims here
-            decision = agree_on_in_place(coll(), ctx.model, mixed_precision=ctx.mixed_precision)
+            coll = Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+            decision = agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
         if decision is not None and decision.in_place:
             ctx.scratch[IN_PLACE_KEY] = True
             return ran(in_place=True, tensors=len(walk.parameters(ctx.model)))
-        reference = agree_on_structure(ctx.model, coll(), check_finite=self.options.check_finite_weights)
+        coll = coll or Collectives(self.name, timeout_s=self.options.collective_timeout_s)
+        reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0
         originals = move_to_meta(ctx.model, ctx.optimizers, reference, keep=is_src)
         details = {"tensors": len(reference), "bytes": sum(_nbytes(m) for m in reference), "in_place": False,
