@@ -173,7 +173,7 @@ class MemSafeMixin:
         pipeline = self.memsafe_plugin.pipeline
         if not models and not optimizers:
             pipeline = Pipeline(pipeline.stages, MemoryReport(), track_tensors=False,
-                                sample_interval_s=pipeline.sample_interval_s)
+                                sample_interval_s=pipeline.sample_interval_s, trim_heap=pipeline.trim_heap)
 
         def upstream(c: HookContext) -> Any:
             new_args = list(args)

@@ -325,14 +325,16 @@ class Pipeline:
         report: Where records go.
         track_tensors: Whether the probe runs the live-tensor tracker.
         sample_interval_s: Seconds between two samples of the probes' memory thread.
+        trim_heap: Whether each probe hands glibc's freed heap back to the kernel first (``memory_trim_heap``).
     """
 
     def __init__(self, stages: Mapping[str, tuple[Stage, ...]], report: MemoryReport, *, track_tensors: bool = True,
-                 sample_interval_s: float = SAMPLE_INTERVAL_S):
+                 sample_interval_s: float = SAMPLE_INTERVAL_S, trim_heap: bool = False):
         self.stages = dict(stages)
         self.report = report
         self.track_tensors = track_tensors
         self.sample_interval_s = sample_interval_s
+        self.trim_heap = trim_heap
         self.origin = time.perf_counter()
         self.background = process_work()  # one per process: any accelerator's next hook settles it
 
@@ -342,7 +344,7 @@ class Pipeline:
 
     def _probe(self, ctx: HookContext, fn: Callable[[HookContext], StageOutcome | None], stage: str):
         probe = MemoryProbe(ctx.device, track_tensors=self.track_tensors, origin=self.origin,
-                            interval_s=self.sample_interval_s)
+                            interval_s=self.sample_interval_s, trim_heap=self.trim_heap)
         start = time.perf_counter() - self.origin
         try:
             with probe:

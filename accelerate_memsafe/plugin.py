@@ -97,6 +97,13 @@ class MemSafePlugin:
     (RSS above the process's earlier high-water mark still is, through ``VmHWM``; device peaks above an earlier
     high-water mark too); the report's ``not_measured`` says so. ``0.002`` samples five times as often."""
 
+    memory_trim_heap: bool = False
+    """Hand the heap glibc keeps after frees back to the kernel (``malloc_trim``) before each stage, so that the
+    stage's RssAnon figures count what it takes from the kernel, not less where it reuses memory freed before it (a
+    load's temporaries, an earlier stage's buffers): the figures ``accelerate-memsafe estimate`` predicts, and what
+    ``benchmarks/estimate.py`` measures with. Off by default: a trim costs time, and the next allocations fault the
+    pages in again (a second ``prepare`` in one process took twice as long as stock's with it on every stage)."""
+
     progress: bool = True
     """Show tqdm progress bars on rank 0 for stages that move more than a few hundred MB."""
 
@@ -143,7 +150,8 @@ class MemSafePlugin:
             "except RSS above the process's earlier high-water mark (VmHWM). Sample more often with "
             "`MemSafePlugin(memory_sample_interval_s=0.002)`, at more CPU time per second of the stage.")
         object.__setattr__(self, "_pipeline", Pipeline(instances, self.report, track_tensors=self.track_live_tensors,
-                                                       sample_interval_s=self.memory_sample_interval_s))
+                                                       sample_interval_s=self.memory_sample_interval_s,
+                                                       trim_heap=self.memory_trim_heap))
 
     @property
     def pipeline(self) -> Pipeline:

@@ -3,10 +3,13 @@
 For each case (a checkpoint, a setting, a number of ranks, a load source) the ranks are spawned (CPU gloo,
 FSDP2), load the checkpoint with ``accelerate_memsafe.from_pretrained`` (transformers' own ``from_pretrained``
 on every rank for the ``stock`` path) and ``prepare`` it with AdamW through the default plugin
-(``MemSafePlugin(load_source=...)``, every other option at its default but the sampling interval; ``stages=[]`` for
+(``MemSafePlugin(load_source=...)``, every other option at its default but the measuring ones; ``stages=[]`` for
 ``stock``). Each stage's measured figure is the plugin's own record on that rank: ``cpu_anon_peak_bytes -
 cpu_anon_start_bytes`` (the peak of RssAnon, private memory, over the stage's start, sampled every 2 ms:
-``memory_sample_interval_s=0.002``, five times as often as the plugin's default of 10 ms). The
+``memory_sample_interval_s=0.002``, five times as often as the plugin's default of 10 ms), with the heap glibc
+keeps after frees handed back to the kernel before each stage (``memory_trim_heap=True``): what the stage takes
+from the kernel, the figure the estimate predicts, not less where it happens to reuse memory freed before it (the
+load's temporaries), which varies from run to run and hid up to a third of rank 0's figure before. The
 estimate is ``accelerate-memsafe estimate CHECKPOINT --json`` with the same settings, run in this process
 before the ranks start (headers and config only).
 
@@ -155,9 +158,10 @@ def _run(rank: int, case: Case, ckpt: str) -> dict:
     fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True)
     # the measuring instrument samples every 2 ms (the plugin's default is 10 ms, see MEASURE_INTERVAL_S)
     if case.path == "stock":
-        plugin = MemSafePlugin(stages=[], memory_sample_interval_s=MEASURE_INTERVAL_S)
+        plugin = MemSafePlugin(stages=[], memory_sample_interval_s=MEASURE_INTERVAL_S, memory_trim_heap=True)
     else:
-        plugin = MemSafePlugin(load_source=case.load_source, memory_sample_interval_s=MEASURE_INTERVAL_S)
+        plugin = MemSafePlugin(load_source=case.load_source, memory_sample_interval_s=MEASURE_INTERVAL_S,
+                               memory_trim_heap=True)
     acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name)
     _warm_up(ckpt)
     dist.barrier()

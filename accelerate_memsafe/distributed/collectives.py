@@ -446,6 +446,9 @@ class _Works:
         try:
             for w in self.works:
                 w.wait()
+            # done: a send's work object holds its tensor, and this object may outlive the transfer (the waiter's
+            # last request, the caller's handle), so the tensors are let go now (a pending op's are kept)
+            self.works = []
         except BaseException as exc:
             self._error = exc
         finally:

@@ -27,7 +27,7 @@ from torch import nn
 from .. import _compat
 from ..errors import CheckpointError
 from ..memory.progress import byte_progress
-from .collectives import Collectives
+from .collectives import Collectives, Pending
 from .plan import _Bucket, _Piece, _align, plan_buckets
 from .source import Rank0Source
 
@@ -233,13 +233,28 @@ class BufferRing:
 
 def _after_send(source: Rank0Source, views: list[torch.Tensor], names: list[str]) -> Callable[[], None]:
     """What follows a bucket's send on rank 0: drop the checkpoint pages ``views`` mapped to send them, then
-    release the sources of ``names`` (see :meth:`Rank0Source.sent` and :meth:`Rank0Source.release`)."""
+    release the sources of ``names`` (see :meth:`Rank0Source.sent` and :meth:`Rank0Source.release`).
+
+    ``views`` must hold the last references to what was sent besides the source's own (the caller hands them over:
+    :func:`_hand_over`): the chore drops them before releasing, so a private copy sent as it is (fused experts that
+    transformers built in memory) is freed, and trimmed back to the kernel, by this chore, not by the next one."""
     def chore() -> None:
         source.sent(views)
+        views.clear()
         for name in names:
             source.release(name)
 
     return chore
+
+
+def _hand_over(sent: list, pending: Pending) -> list:
+    """Empties ``sent`` (the tensors of a finished send, shared with the double buffer's entry) and drops the
+    finished op's handles (a gloo send keeps its tensor while its work object lives), and returns the tensors in a
+    new list, now their only reference: :func:`_after_send` frees them with the sources they view."""
+    tensors = [t[1] if isinstance(t, tuple) else t for t in sent]
+    sent.clear()
+    pending.work = None
+    return tensors
 
 
 def double_buffered(coll: Collectives, items: Iterable[Any], post: Callable[[Any], tuple],
@@ -330,7 +345,7 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
             ring.give(flat)
             # after the send, on the prefetch thread: the checkpoint's pages mapped to send them (_as_is), and
             # the sources whose last piece this was (a piece may have been sent from the tensor itself)
-            prefetcher.release(chore=_after_send(source, slots[1:], bucket.last_of))
+            prefetcher.release(chore=_after_send(source, _hand_over(slots, pending)[1:], bucket.last_of))
 
         def post(produced: tuple) -> tuple:
             bucket, (flat, slots, in_place) = produced
@@ -481,7 +496,8 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
                 ring.give(flat)
             # after the send, on the prefetch thread: the checkpoint's pages it mapped to send them, and the
             # tensors a piece of which was sent as it is (the others were released once copied)
-            prefetcher.release(chore=_after_send(source, [t for _, t in sends], [n for n in bucket.last_of if n in viewed]))
+            views = _hand_over(sends, pending)
+            prefetcher.release(chore=_after_send(source, views, [n for n in bucket.last_of if n in viewed]))
 
         def post(produced: tuple) -> tuple:
             bucket, (flat, sends) = produced

@@ -41,10 +41,15 @@ Per stage, rank 0 / the other ranks:
   On rank 0 (CPU shards) the shard and ring terms are not summed whole: :func:`rank0_send_peak` walks the
   buckets, counting the shard pages written so far, the ring buffers touched, and the private copies already
   freed (e.g. the fused experts transformers built: freed, and trimmed back to the kernel, as soon as their
-  last piece is copied). It assumes the prefetch thread runs k buckets ahead of the sends, the most it may;
-  when the sends keep up, fewer ring buffers are touched and more copies are freed before the peak, so rank 0
-  measures lower (``benchmarks/estimate.py`` labels a rank-0 row ``released`` when it is below the estimate by
-  more than 25% but by no more than the private copies rank 0 frees, :func:`released_by_rank0`).
+  last piece is copied, or by the chore that follows the send of its last bucket when a piece went out as its own
+  bytes). It assumes the prefetch thread runs k buckets ahead of the sends, the most it may; when the sends keep
+  up, fewer ring buffers are touched and copies are freed sooner, so rank 0 may measure lower
+  (``benchmarks/estimate.py`` labels a rank-0 row ``released`` when it is below the estimate by more than 25% but
+  by no more than the private copies rank 0 frees, :func:`released_by_rank0`).
+
+Each figure is what the stage takes from the kernel. A process whose heap holds memory freed before the stage
+(glibc keeps it) measures less where the stage reuses it; ``MemSafePlugin(memory_trim_heap=True)`` hands it back
+before each stage, and ``benchmarks/estimate.py`` measures with it.
 
 * ``buffer_init``, ``accelerate.prepare`` after the plugin's stages: 0 (the model is sharded and filled).
 * stock ``accelerate.prepare``: shard + U + ``FULLY_SHARD_OVERHEAD``, ranks > 0 + 2T. U = P - C when mixed

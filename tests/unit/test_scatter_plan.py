@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
 from accelerate_memsafe.distributed.plan import _Sharded, plan_buckets, row_boxes, shard_rows
 from accelerate_memsafe.distributed.source import Rank0Source
-from accelerate_memsafe.distributed.transport import BoundedPrefetcher
+from accelerate_memsafe.distributed.collectives import Pending, _Waiter, _Works
+from accelerate_memsafe.distributed.transport import BoundedPrefetcher, _after_send, _hand_over
 
 
 @pytest.mark.parametrize("n,world", [(5, 2), (1, 2), (7, 4), (8, 4), (3, 4), (0, 2)])
@@ -133,6 +135,53 @@ def test_prefetcher_runs_chores_on_its_thread_before_the_next_result_and_the_res
     # the chores of results 0 and 1 ran on the prefetch thread; the last one, with nothing left to produce, here
     assert [e[2] for e in log if e[0] == "chore"] == ["memsafe-prefetch", "memsafe-prefetch",
                                                       threading.current_thread().name]
+
+
+def test_a_private_source_sent_as_it_is_is_freed_by_its_own_buckets_chore():
+    # rank 0 sends a piece of a private tensor (fused experts transformers built in memory) as its own bytes: once the
+    # bucket is sent, the chore must free it (and trim), not leave it to a later bucket's chore because the send list,
+    # the finished op's handle or the chore itself still referenced the piece
+    import numpy as np
+
+    memory = np.ones((8, 4), dtype=np.float32)  # the tensor's storage: alive while any view of the tensor is
+    gone = []
+    weakref.finalize(memory, gone.append, "freed")
+    src = Rank0Source({"experts": torch.from_numpy(memory)})
+    del memory
+    view = src.rows_view("experts", 0, 4, torch.float32, None)
+    sends = [(1, view)]
+
+    class Op:  # a finished gloo send keeps its tensor while its work object lives
+        def __init__(self, t):
+            self.t = t
+
+    pending = Pending(0, "send of bucket 1/1", 0.0, Op(view))
+    entry = (None, None, sends, pending)  # what the double buffer keeps until the finish returns
+    del view
+    chore = _after_send(src, _hand_over(sends, pending), ["experts"])
+    assert entry[2] == [] and pending.work is None
+    assert not gone, "kept until the chore ran"
+    chore()
+    assert gone == ["freed"], "the chore held the last reference: freed by this bucket's chore"
+
+
+def test_finished_point_to_point_ops_let_go_of_their_tensors():
+    class Work:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def wait(self):
+            if self.fail:
+                raise RuntimeError("peer gone")
+
+    waiter = _Waiter()
+    done = _Works([Work(), Work()], waiter)
+    assert done.wait() and done.works == [], "a finished op's handles (and the tensors they hold) are dropped"
+    failed = _Works([Work(fail=True), Work()], waiter)
+    with pytest.raises(RuntimeError):
+        failed.wait()
+    assert len(failed.works) == 2, "an op left pending keeps its tensors (the transport may still write them)"
+    waiter.close()
 
 
 def test_rank0_source_casts_per_row_range_and_releases():
