@@ -268,6 +268,7 @@ def distribute_from_rank0(
     if nodes is None and local_names:
         _read_local(sharded, replicated, local_names, local_source, rank=rank, budget=budget, stats=stats,
                     release=source.release if rank == 0 else None, device=device)
+        local_source.drop_scratch()  # rank 0 keeps the checkpoint open to send the rest: not its cast buffer
         sharded = [i for i in sharded if i.name not in local_names]
         replicated = [r for r in replicated if r[0] not in local_names]
     with torch.no_grad():

@@ -156,6 +156,12 @@ class SafetensorsSource:
             self._scratch.buf = buf = torch.empty(nbytes, dtype=torch.uint8)
         return buf[:nbytes].view(entry.dtype).view((rows, *entry.shape[1:]) if entry.shape else ())
 
+    def drop_scratch(self) -> None:
+        """Frees the calling thread's scratch buffer of cast reads (:meth:`_rows_buffer`), once a run of reads is over
+        and the source stays open for other work (rank 0 reads its own blocks, then sends the rest): up to a bucket
+        that would otherwise stay allocated until :meth:`close`."""
+        self._scratch.buf = None
+
     @staticmethod
     def _resolve(path: Path) -> list[str]:
         if path.is_dir():

@@ -35,8 +35,11 @@ Per stage, rank 0 / the other ranks:
     with other backends all of them (one scatter per bucket);
   - piece: when rank 0 re-reads a mapped weight from the file and casts it, one slot's rows (b / N) in the
     file dtype;
-  - receive: on gloo, pieces land in the shard itself, except rows longer than b / N (cut along dim 1, not
-    contiguous there: two staging buffers of b / N); with other backends one buffer of b / N.
+  - receive: on gloo, pieces land in the shard itself (a dim-1 range of one row too: it is contiguous there),
+    except those rank 0 sends in a narrower dtype (bf16 rows of fp32 shards), which arrive in one of two
+    alternating staging buffers to be widened: the pages of those buffers this rank's pieces write, from the
+    distribution's own plan (:func:`staging_touched`: about half of a rank's slot b / N in each); with other
+    backends one buffer of b / N.
 
   On rank 0 (CPU shards) the shard and ring terms are not summed whole: :func:`rank0_send_peak` walks the
   buckets, counting the shard pages written so far, the ring buffers touched, and the private copies already
@@ -317,7 +320,7 @@ class StagePeak:
 
 
 def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_buckets: int, load_source: str,
-                    on_device: bool = False, transport: str = "p2p") -> StagePeak:
+                    on_device: bool = False, transport: str = "p2p", staging: dict[int, int] | None = None) -> StagePeak:
     """``rank0_distribute`` on one rank (see the module docstring for each term).
 
     Args:
@@ -331,6 +334,7 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         transport: ``"p2p"`` (gloo, the collectives on the CPU: one message per piece, sent from rank 0's own
             tensor where no cast is needed and received straight into the shard where contiguous) or
             ``"scatter"`` (other backends: one scatter per bucket from reusable buffers).
+        staging: :func:`staging_touched` of these tensors for ``rank``, when already computed (``p2p``).
 
     Example:
         >>> lay = layout([TensorSpec("w", (1024, 1024), 4)], world_size=2, load_bytes=2, mixed_precision="bf16")
@@ -338,11 +342,11 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         >>> (distribute_peak(lay, rank=0, transport="scatter", **kw).cpu - DISTRIBUTE_OVERHEAD) >> 10
         3584
         >>> [(distribute_peak(lay, rank=r, **kw).cpu - DISTRIBUTE_OVERHEAD) >> 10 for r in (0, 1)]
-        [2048, 3072]
+        [2048, 2560]
 
         With a scatter, rank 0 holds its 2 MiB fp32 shard and casts the other rank's half of a 3 x 1 MiB ring;
         on gloo (``p2p``) it sends the bf16 rows as they are, and rank 1 widens them into its shard through two
-        staging buffers of its 512 KiB share of a bucket.
+        staging buffers, each written up to its 256 KiB of bf16 rows per bucket.
     """
     n = lay.world_size
     budget = max(_ALIGN * n, bucket_bytes // (prefetch_buckets + 2))
@@ -378,11 +382,12 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
                      and not narrow(t)), default=0)
     elif transport != "p2p":
         buffers = min(budget // n, sent // n)  # one receive buffer of a rank's slot
-    elif any(cut(t) or narrow(t) for t in scattered):
-        # a row cut along dim 1 is not contiguous in the shard, and a narrower dtype is widened on arrival: both
-        # received into one of two staging buffers of the largest slot (one receiving while the other is copied
-        # into place)
-        buffers = 2 * min(budget // n, sum(lay.block_bytes(t) for t in scattered))
+    elif any(narrow(t) for t in scattered):
+        # a narrower dtype is widened on arrival: received into one of two staging buffers (one receiving while
+        # the other is copied into place), whose pages this rank's narrow pieces touch
+        if staging is None:
+            staging = staging_touched(lay, scattered, budget=budget, narrow=narrow, ranks=[rank])
+        buffers = staging[rank]
     group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
     if on_device:
         return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
@@ -392,6 +397,43 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece) + group
                          + DISTRIBUTE_OVERHEAD)
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
+
+
+def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, narrow, ranks: Iterable[int]) -> dict[int, int]:
+    """Bytes of the two staging buffers each of ``ranks`` touches on gloo, from the distribution's own plan
+    (:func:`~accelerate_memsafe.distributed.plan.plan_buckets` of ``scattered``): in bucket j a rank writes each piece
+    rank 0 sends in a narrower dtype (``narrow(t)``: bf16 rows widened into fp32 shards) at its offset in buffer
+    j % 2, in that dtype (half its bytes); the other pieces land in the shard itself. A buffer's pages count once
+    however many buckets write them (the union of what its buckets wrote, by page).
+
+    Example:
+        >>> lay = layout([TensorSpec("w", (1024, 1024), 2)], world_size=2, load_bytes=2, mixed_precision="bf16")
+        >>> staging_touched(lay, list(lay.tensors), budget=1 << 20, narrow=lambda t: True, ranks=[1])[1] >> 10
+        512
+    """
+    from ..distributed.plan import _Sharded, plan_buckets, row_boxes
+
+    n = lay.world_size
+    items, wire = [], {}
+    for i, t in enumerate(scattered):
+        shape = t.shape or (1,)
+        item = _Sharded(f"{i}:{t.name}", None, _DTYPE_OF_SIZE[lay.itemsize(t)], shape, row_boxes(shape, n))
+        items.append(item)
+        if narrow(t):
+            wire[id(item)] = lay.source_itemsize(t)
+    ranks = sorted(set(ranks))
+    pages: dict[int, tuple[set[int], set[int]]] = {r: (set(), set()) for r in ranks}
+    for bucket in plan_buckets(items, n, budget):
+        for piece in bucket.pieces_of(ranks):
+            w = wire.get(id(piece.item))
+            if w is not None:
+                nbytes = piece.nbytes * w // piece.item.dtype.itemsize
+                pages[piece.rank][bucket.index % 2].update(range(piece.offset // _PAGE, -(-(piece.offset + nbytes) // _PAGE)))
+    return {r: (len(a) + len(b)) * _PAGE for r, (a, b) in pages.items()}
+
+
+#: A torch dtype of each element size the estimate meets (the plan reads only the size).
+_DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 def rank0_send_peak(lay: Layout, local: list[TensorSpec], scattered: list[TensorSpec], *, copied: list[int],
@@ -554,16 +596,19 @@ def predict(
     state = 2 * sum(t.numel for t in lay.tensors if t.sharded) * 4 // n
     largest_state = max((t.numel for t in lay.tensors if t.sharded), default=0) * 4 // n
     cpu_state = offload_optimizer or device == "cpu"
-    # the cheap per-rank profiles: rank 0 and the others differ, the others are alike
+    # the per-rank profiles: rank 0 and the others differ; the others differ only in their rows (the last ranks hold
+    # fewer of a tensor whose rows do not divide evenly), so up to 16 ranks each gets its own, beyond that the last
+    # rank its own and the others rank 1's
     profiles = {}
-    for kind in (0, 1):
-        stock_cpu = stock_prepare_peak(lay, rank=kind)
+    kinds = list(range(n)) if n <= 16 else sorted({0, 1, n - 1})
+    for kind in kinds:
+        stock_cpu = stock_prepare_peak(lay, rank=min(kind, 1))
         dist = distribute_peak(lay, rank=kind, bucket_bytes=bucket_bytes, prefetch_buckets=prefetch_buckets,
                                load_source=source, on_device=on_device, transport="p2p" if device == "cpu" else "scatter")
         profiles[kind] = (stock_cpu, dist, meta_placement_peak(lay, rank=kind))
     out: list[Prediction] = []
     for rank in range(n):
-        stock_cpu, dist, meta = profiles[0 if rank == 0 else 1]
+        stock_cpu, dist, meta = profiles[rank if rank in profiles else 1]
         mapped_read = lay.mapped if (rank == 0 or upcast) else 0  # file pages stock reads through its mapping
         if on_device:
             cpu = stock_cpu - lay.shard
