@@ -422,14 +422,30 @@ def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, na
         if narrow(t):
             wire[id(item)] = lay.source_itemsize(t)
     ranks = sorted(set(ranks))
-    pages: dict[int, tuple[set[int], set[int]]] = {r: (set(), set()) for r in ranks}
+    spans: dict[int, tuple[set, set]] = {r: (set(), set()) for r in ranks}  # page ranges written, per buffer
     for bucket in plan_buckets(items, n, budget):
         for piece in bucket.pieces_of(ranks):
             w = wire.get(id(piece.item))
             if w is not None:
                 nbytes = piece.nbytes * w // piece.item.dtype.itemsize
-                pages[piece.rank][bucket.index % 2].update(range(piece.offset // _PAGE, -(-(piece.offset + nbytes) // _PAGE)))
-    return {r: (len(a) + len(b)) * _PAGE for r, (a, b) in pages.items()}
+                spans[piece.rank][bucket.index % 2].add((piece.offset // _PAGE, -(-(piece.offset + nbytes) // _PAGE)))
+    return {r: (_union_length(a) + _union_length(b)) * _PAGE for r, (a, b) in spans.items()}
+
+
+def _union_length(spans: Iterable[tuple[int, int]]) -> int:
+    """Length of the union of half-open ranges ``[a, b)``.
+
+    Example:
+        >>> _union_length([(0, 2), (1, 3), (5, 6)])
+        4
+    """
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
 
 
 #: A torch dtype of each element size the estimate meets (the plan reads only the size).
