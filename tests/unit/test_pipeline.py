@@ -54,6 +54,23 @@ def test_stages_run_in_order_then_upstream_then_after_in_reverse():
         assert set(RECORD_KEYS) <= set(rec)
 
 
+@pytest.mark.parametrize("trim", [False, True])
+def test_memory_trim_heap_hands_the_freed_heap_back_before_each_probed_part(monkeypatch, trim):
+    # `MemSafePlugin(memory_trim_heap=True)` (what benchmarks/estimate.py measures with): malloc_trim before every
+    # probed part (each stage's run and after, accelerate's call), never by default
+    import accelerate_memsafe.memory.probe as probe_mod
+    from accelerate_memsafe import MemSafePlugin
+
+    calls = []
+    monkeypatch.setattr(probe_mod, "malloc_trim", lambda: calls.append(1))
+    assert MemSafePlugin(memory_trim_heap=trim).pipeline.trim_heap is trim
+    log: list[str] = []
+    pipe = Pipeline({"save_state": (_Log("a", log),)}, MemoryReport(), trim_heap=trim)
+    pipe.run(_ctx(), lambda ctx: None)
+    assert log == ["run:a", "after:a"]
+    assert len(calls) == (3 if trim else 0), "the stage's run, accelerate's call, the stage's after"
+
+
 def test_skip_upstream_replaces_accelerates_call():
     class Replace(Stage):
         name = "replace"
