@@ -417,7 +417,8 @@ def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, na
     items, wire = [], {}
     for i, t in enumerate(scattered):
         shape = t.shape or (1,)
-        item = _Sharded(f"{i}:{t.name}", None, _DTYPE_OF_SIZE[lay.itemsize(t)], shape, row_boxes(shape, n))
+        item = _Sharded(f"{i}:{t.name}", None, _DTYPE_OF_SIZE.get(lay.itemsize(t), torch.float64), shape,
+                        row_boxes(shape, n))
         items.append(item)
         if narrow(t):
             wire[id(item)] = lay.source_itemsize(t)
@@ -449,7 +450,7 @@ def _union_length(spans: Iterable[tuple[int, int]]) -> int:
 
 
 #: A torch dtype of each element size the estimate meets (the plan reads only the size).
-_DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+_DTYPE_OF_SIZE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64, 16: torch.complex128}
 
 
 def rank0_send_peak(lay: Layout, local: list[TensorSpec], scattered: list[TensorSpec], *, copied: list[int],
