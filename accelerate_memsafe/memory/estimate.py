@@ -320,7 +320,7 @@ class StagePeak:
 
 
 def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_buckets: int, load_source: str,
-                    on_device: bool = False, transport: str = "p2p", staging: dict[int, int] | None = None) -> StagePeak:
+                    on_device: bool = False, transport: str = "p2p") -> StagePeak:
     """``rank0_distribute`` on one rank (see the module docstring for each term).
 
     Args:
@@ -334,7 +334,6 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         transport: ``"p2p"`` (gloo, the collectives on the CPU: one message per piece, sent from rank 0's own
             tensor where no cast is needed and received straight into the shard where contiguous) or
             ``"scatter"`` (other backends: one scatter per bucket from reusable buffers).
-        staging: :func:`staging_touched` of these tensors for ``rank``, when already computed (``p2p``).
 
     Example:
         >>> lay = layout([TensorSpec("w", (1024, 1024), 4)], world_size=2, load_bytes=2, mixed_precision="bf16")
@@ -385,9 +384,7 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
     elif any(narrow(t) for t in scattered):
         # a narrower dtype is widened on arrival: received into one of two staging buffers (one receiving while
         # the other is copied into place), whose pages this rank's narrow pieces touch
-        if staging is None:
-            staging = staging_touched(lay, scattered, budget=budget, narrow=narrow, ranks=[rank])
-        buffers = staging[rank]
+        buffers = staging_touched(lay, scattered, budget=budget, narrow=narrow, rank=rank)
     group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
     if on_device:
         return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
@@ -399,8 +396,8 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
 
 
-def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, narrow, ranks: Iterable[int]) -> dict[int, int]:
-    """Bytes of the two staging buffers each of ``ranks`` touches on gloo, from the distribution's own plan
+def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, narrow, rank: int) -> int:
+    """Bytes of the two staging buffers ``rank`` touches on gloo, from the distribution's own plan
     (:func:`~accelerate_memsafe.distributed.plan.plan_buckets` of ``scattered``): in bucket j a rank writes each piece
     rank 0 sends in a narrower dtype (``narrow(t)``: bf16 rows widened into fp32 shards) at its offset in buffer
     j % 2, in that dtype (half its bytes); the other pieces land in the shard itself. A buffer's pages count once
@@ -408,7 +405,7 @@ def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, na
 
     Example:
         >>> lay = layout([TensorSpec("w", (1024, 1024), 2)], world_size=2, load_bytes=2, mixed_precision="bf16")
-        >>> staging_touched(lay, list(lay.tensors), budget=1 << 20, narrow=lambda t: True, ranks=[1])[1] >> 10
+        >>> staging_touched(lay, list(lay.tensors), budget=1 << 20, narrow=lambda t: True, rank=1) >> 10
         512
     """
     from ..distributed.plan import _Sharded, plan_buckets, row_boxes
@@ -422,15 +419,14 @@ def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, na
         items.append(item)
         if narrow(t):
             wire[id(item)] = lay.source_itemsize(t)
-    ranks = sorted(set(ranks))
-    spans: dict[int, tuple[set, set]] = {r: (set(), set()) for r in ranks}  # page ranges written, per buffer
+    spans: tuple[set, set] = (set(), set())  # the page ranges written in each buffer
     for bucket in plan_buckets(items, n, budget):
-        for piece in bucket.pieces_of(ranks):
+        for piece in bucket.pieces_of(rank):
             w = wire.get(id(piece.item))
             if w is not None:
                 nbytes = piece.nbytes * w // piece.item.dtype.itemsize
-                spans[piece.rank][bucket.index % 2].add((piece.offset // _PAGE, -(-(piece.offset + nbytes) // _PAGE)))
-    return {r: (_union_length(a) + _union_length(b)) * _PAGE for r, (a, b) in spans.items()}
+                spans[bucket.index % 2].add((piece.offset // _PAGE, -(-(piece.offset + nbytes) // _PAGE)))
+    return (_union_length(spans[0]) + _union_length(spans[1])) * _PAGE
 
 
 def _union_length(spans: Iterable[tuple[int, int]]) -> int:
