@@ -53,19 +53,10 @@ def _child(fn, rank, world_size, port, env, init_pg, kwargs, queue):
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
-        if dist.is_initialized():
-            try:
-                # every rank finishes its communication before any rank tears gloo down (a rank that exits
-                # first closes the connections under the others); fails fast if a peer is already gone
-                import datetime
+        # every rank finishes its communication before any rank tears gloo down
+        from accelerate_memsafe.distributed.collectives import end_process_group
 
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=5))
-            except Exception:
-                pass
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        end_process_group()
 
 
 #: Imported once by the fork server: every rank then starts as a fork of a process that already paid for them

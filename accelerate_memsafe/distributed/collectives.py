@@ -365,6 +365,24 @@ def check_not_abandoned(group: Any = None) -> None:
             )
 
 
+def end_process_group(timeout_s: float = 5.0) -> None:
+    """Destroys the default process group once every rank got here (a no-op without one): what a spawned rank
+    (the tests' and the benchmarks' launchers) does before it exits. A rank that exits first closes the connections
+    under its peers, and a gloo group left to the interpreter's exit can end the process in ``std::terminate``
+    ("terminate called without an active exception", pytorch#190489). A peer already gone makes the barrier fail
+    within ``timeout_s``, and the group is destroyed anyway."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception:
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused for a run of collectives, restored after (reference counting

@@ -44,6 +44,13 @@ def test_point_to_point_exchanges_are_waited_for_by_one_thread_in_order():
         assert res["waiters"] == 1, res["waiters"]
 
 
+def test_a_rank_ends_its_process_group_once_every_rank_got_there():
+    # what the tests' and the benchmarks' launchers do before a rank exits (a gloo group left to the interpreter's
+    # exit can end the process in std::terminate); a second call, with no group left, does nothing
+    results = run_on_ranks(w.ended_process_group, 2, timeout=120)
+    assert results == [{"sum": 2.0, "initialized": False}] * 2
+
+
 @pytest.mark.parametrize("check", [True, False], ids=["preflight_check", "no_preflight_check"])
 def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchange(check):
     # a stage that needs every rank's view (meta_placement's in-place claim) gets it from the preflight's exchange,

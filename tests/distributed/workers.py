@@ -231,3 +231,17 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, la
         collectives.Collectives.all_gather = real
     return {"announced": seen["announced"], "collectives": calls, "estimates": sorted(ctx.scratch.get("estimates", {})),
             "later_cpu": ctx.scratch.get("estimates", {}).get("later", MemoryEstimate()).cpu_bytes}
+
+
+def ended_process_group(rank: int, world_size: int) -> dict:
+    """One all-reduce, then :func:`end_process_group` twice (the second finds no group): whether a group is left."""
+    import torch
+    import torch.distributed as dist
+
+    from accelerate_memsafe.distributed.collectives import end_process_group
+
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    end_process_group()
+    end_process_group()
+    return {"sum": float(x.item()), "initialized": dist.is_initialized()}
