@@ -121,16 +121,24 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
 
     cpu: dict[str, list[float]] = {"prepare_s": [], "save_state_s": [], "load_state_s": []}
 
+    span: list[float] = []
+
     def timed(fn, hook):
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
+        t1 = time.perf_counter()
         cpu[hook].append(time.process_time() - c0)  # every thread of the process: the sampler's too
-        return time.perf_counter() - t0, out
+        span[:] = [t0, t1]
+        return t1 - t0, out
 
     model, opt = _model_and_optimizer(size, ckpt)
-    prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
+    with Collections() as collections:
+        prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
     stock_work_s = _stock_work(acc, rank)
+    gc_s = collections.seconds(*span)
+    upstream = _upstream_span(acc, rank)
+    gc_upstream_s = collections.seconds(*upstream) if upstream else None
     _train_step(acc, model, opt)
     wait = getattr(getattr(acc, "memsafe_plugin", None), "wait_for_checkpoint", lambda: None)
     saves, tails, loads = [], [], []
@@ -148,8 +156,60 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             shutil.rmtree(target)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return {"rank": rank, "prepare_s": prepare_s, "prepare_stock_work_s": stock_work_s, "save_state_s": saves,
-            "commit_tail_s": tails, "load_state_s": loads, "cpu": cpu}
+    return {"rank": rank, "prepare_s": prepare_s, "prepare_stock_work_s": stock_work_s, "prepare_gc_s": gc_s,
+            "prepare_gc_upstream_s": gc_upstream_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,
+            "cpu": cpu}
+
+
+class Collections:
+    """Python's cyclic garbage collections while open (``gc.callbacks``): when each started and ended.
+
+    Example:
+        >>> import gc
+        >>> with Collections() as c:
+        ...     _ = gc.collect()
+        >>> len(c.spans) == 1 and c.seconds(0.0, float("inf")) > 0
+        True
+    """
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._start: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.spans.append((self._start, time.perf_counter()))
+            self._start = None
+
+    def __enter__(self) -> "Collections":
+        import gc
+
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        gc.callbacks.remove(self)
+
+    def seconds(self, begin: float, end: float) -> float:
+        """The collections' time inside ``[begin, end]`` (``perf_counter`` seconds)."""
+        return sum(max(0.0, min(b, end) - max(a, begin)) for a, b in self.spans)
+
+
+def _upstream_span(acc, rank: int) -> tuple[float, float] | None:
+    """Where accelerate's own ``prepare`` call ran inside the plugin's hook (``perf_counter`` seconds, from the
+    ``accelerate.prepare`` record); ``None`` for stock."""
+    plugin = getattr(acc, "memsafe_plugin", None)
+    if plugin is None:
+        return None
+    records = [r for r in plugin.report.find(hook="prepare", rank=rank) if r.stage == "accelerate.prepare"]
+    if not records:
+        return None
+    origin = plugin.pipeline.origin
+    return origin + records[-1].start_s, origin + records[-1].start_s + records[-1].wall_s
 
 
 def _stock_work(acc, rank: int) -> float | None:
@@ -253,9 +313,16 @@ def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wr
     with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
         ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap), 1800, f"{path}/{world}/{wrap}")
     out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
+    if all(r.get("prepare_gc_s") is not None for r in ranks):
+        # the least any rank spent in Python's collector during `prepare` (what `measure` takes off the plugin's
+        # own time for stock: the least, so as not to take off more than the slowest rank paid)
+        out["prepare_gc_s"] = min(r["prepare_gc_s"] for r in ranks)
     if all(r.get("prepare_stock_work_s") is not None for r in ranks):
         # the ranks end the hook together (its last agreement): the slowest wall, less the most work stock would do
         out["prepare_own_s"] = out["prepare_s"] - max(r["prepare_stock_work_s"] for r in ranks)
+        if all(r.get("prepare_gc_upstream_s") is not None for r in ranks):
+            # the collections inside accelerate's own call count in the stock work above: the most of any rank
+            out["prepare_gc_upstream_s"] = max(r["prepare_gc_upstream_s"] for r in ranks)
     for key in ("save_state_s", "commit_tail_s", "load_state_s"):
         out[key] = min(max(r[key][i] for r in ranks) for i in range(repeats))
     for key in HOOKS:  # CPU seconds of the busiest rank: less sensitive than the wall to a busy machine
@@ -269,6 +336,8 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
     runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
     prepares: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
     owns: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
+    gcs: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
+    owns_gc: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
     for i in range(launches):  # interleaved, so that a busy spell of the machine hits every path alike
         for setting in settings:
             world, wrap = SETTINGS[setting]
@@ -278,6 +347,10 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
                 prepares[setting][path].append(got["prepare_s"])
                 if "prepare_own_s" in got:
                     owns[setting][path].append(got["prepare_own_s"])
+                if "prepare_gc_s" in got:
+                    gcs[setting][path].append(got["prepare_gc_s"])
+                if "prepare_gc_upstream_s" in got:
+                    owns_gc[setting][path].append(got["prepare_own_s"] + got["prepare_gc_upstream_s"])
                 for key, value in got.items():
                     best[key] = min(best.get(key, float("inf")), value)
                 log(f"launch {i + 1}/{launches} {setting} {path}: " + ", ".join(f"{k}={v:.3f}" for k, v in got.items()))
@@ -295,9 +368,33 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
             if owns[s][p]:
                 runs[s][p]["prepare_own_median_s"] = statistics.median(owns[s][p])
                 runs[s][p]["prepare_own_all_s"] = owns[s][p]
+            if gcs[s][p]:
+                runs[s][p]["prepare_gc_median_s"] = statistics.median(gcs[s][p])
+            if owns_gc[s][p] and gcs[s]["stock"]:
+                runs[s][p]["prepare_own_gc_both_sides_median_s"] = own_with_collections_on_both_sides(
+                    owns_gc[s][p], gcs[s]["stock"])
     return {"benchmark": "overhead", "size": size, "load": load, "launches": launches, "repeats": repeats, "runs": runs,
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def own_with_collections_on_both_sides(own_and_upstream_gc: list[float], stock_gc: list[float]) -> float:
+    """The plugin's own time in ``prepare`` with Python's collector counted alike on both sides: the median over
+    the plugin's launches of its own time plus the collections inside accelerate's own call (which the own time
+    took off as stock work), less stock's median time in the collector during its whole ``prepare``.
+
+    The own time takes off the stock work measured inside the plugin's hook, and there the collector is paused
+    through the stages (accelerate's FSDP2 wrapping runs in the ``shard`` stage): the collections stock runs inside
+    its ``fully_shard`` calls are in stock's wall but in no stock work measured, while the one collection that falls
+    due when the plugin switches the collector back on is in its own time. With ``W`` the work both do, the
+    plugin's wall is ``W + own' + C_plugin`` and stock's ``W + C_stock`` (``own'`` without collections), so the
+    wall added is ``own + C_upstream - C_stock``: what this returns (medians, as the launches are independent).
+
+    Example:
+        >>> own_with_collections_on_both_sides([0.010, 0.012, 0.011], [0.002, 0.001, 0.0015])
+        0.0095
+    """
+    return statistics.median(own_and_upstream_gc) - statistics.median(stock_gc)
 
 
 def median_ratio_interval(values: list[float], stock: list[float], *, level: float = 0.9, resamples: int = 4000,
@@ -395,12 +492,18 @@ def markdown(doc: dict) -> str:
              "plugin's own part of its wall (the slowest rank's wall minus the most work any rank did that stock does "
              "too: accelerate's own `prepare` call, accelerate's FSDP2 wrapping, which the `shard` stage runs in its "
              "place, and freeing the unsharded weights; median over the launches) with its share of stock's median "
-             "`prepare`:\n",
+             "`prepare`; then the time in Python's garbage collector during `prepare` (the least of any rank, median "
+             "over the launches) and the own time with the collector counted alike on both sides (the own time plus "
+             "the collections inside accelerate's own call, less stock's median time in the collector: the plugin "
+             "pauses the collector through its stages, so stock's collections inside `fully_shard` are in no stock "
+             "work it measures, while the one that falls due after the stages is in its own time):\n",
              "| setting | path | prepare (s) | save_state (s) | load_state (s) | commit in background (s) | prepare ratio "
              "| save_state ratio | load_state ratio | added per hook (s): prepare / save / load | prepare, median of launches (s) "
              "| prepare median ratio | median ratio, 90% interval low | median ratio, 90% interval high "
-             "| plugin's own time in prepare, median (s) | own time / stock prepare median (%) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| plugin's own time in prepare, median (s) | own time / stock prepare median (%) "
+             "| collector in prepare, median (ms) | own time, collector on both sides (s) "
+             "| own time, collector on both sides / stock prepare median (%) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, by_path in doc["runs"].items():
         for path, r in by_path.items():
             q = doc["ratios"][setting].get(path)
@@ -416,6 +519,11 @@ def markdown(doc: dict) -> str:
             own = r.get("prepare_own_median_s")
             median_cells += f" | {ci[0]:.2f} | {ci[1]:.2f}" if ci else " | - | -"
             median_cells += (f" | {own:.4f} | {100 * own / stock_median:.1f}" if own is not None and stock_median
+                             else " | - | -")
+            collector = r.get("prepare_gc_median_s")
+            median_cells += f" | {1e3 * collector:.2f}" if collector is not None else " | -"
+            both = r.get("prepare_own_gc_both_sides_median_s")
+            median_cells += (f" | {both:.4f} | {100 * both / stock_median:.1f}" if both is not None and stock_median
                              else " | - | -")
             lines.append(f"| {setting} | {path} | {r['prepare_s']:.3f} | {r['save_state_s']:.3f} | {r['load_state_s']:.3f} "
                          f"| {tail} | {ratio} | {add} | {median_cells} |")

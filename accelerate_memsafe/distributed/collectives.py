@@ -47,9 +47,13 @@ _GENERATIONS: dict[str, int] = {}
 #: Seconds between two looks at the failure board while a collective or an agreement is pending.
 PEER_CHECK_INTERVAL_S = 0.25
 # A pending op is polled: briefly without sleeping (small ops finish in tens of microseconds), then with
-# sleeps doubling up to _MAX_SLEEP_S, which bounds the latency added to a long transfer.
+# sleeps doubling up to _SHORT_MAX_SLEEP_S for the first _SHORT_WAIT_S (a metadata exchange between ranks that
+# arrive together takes about a millisecond on gloo: a longer sleep would add up to its own length to it), then up
+# to _MAX_SLEEP_S, which bounds the latency added to a long transfer.
 _SPIN_S = 50e-6
 _FIRST_SLEEP_S = 20e-6
+_SHORT_WAIT_S = 10e-3
+_SHORT_MAX_SLEEP_S = 0.1e-3
 _MAX_SLEEP_S = 0.5e-3
 # Longest message of a failed rank kept in the store (the rank's own log has the rest).
 _MAX_MESSAGE_CHARS = 4000
@@ -589,7 +593,7 @@ class Collectives:
                 next_check = now + PEER_CHECK_INTERVAL_S
             if now >= spin_until:
                 time.sleep(min(sleep, deadline - now))
-                sleep = min(sleep * 2, _MAX_SLEEP_S)
+                sleep = min(sleep * 2, _SHORT_MAX_SLEEP_S if now - started < _SHORT_WAIT_S else _MAX_SLEEP_S)
             done = work.is_completed()
         work.wait()  # returns at once or raises the op's error; on NCCL orders the current stream after it
 

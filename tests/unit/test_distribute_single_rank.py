@@ -117,3 +117,38 @@ def test_replicated_tensors_travel_in_one_collective_per_bucket(group, monkeypat
     entries = [(n, model, n, t, False) for n, t in extra.items()]
     assert [len(g) for g in replicated_groups(entries, 16)] == [1, 2, 1, 1]  # the empty one fits anywhere
     assert all(at % 16 == 0 for g in replicated_groups(entries, 4096) for _, at, _ in g)
+
+
+def test_a_short_wait_polls_often_and_a_long_one_backs_off(group, monkeypatch):
+    # a small exchange between ranks that arrive together takes about a millisecond on gloo: the poll's sleep
+    # must not add up to its own length to it (at most _SHORT_MAX_SLEEP_S in the first _SHORT_WAIT_S), while a
+    # long transfer is polled at most every _MAX_SLEEP_S
+    import time
+
+    from accelerate_memsafe.distributed import collectives as C
+
+    class Work:  # completes 30 ms after it was issued
+        def __init__(self) -> None:
+            self.end = time.monotonic() + 0.030
+
+        def is_completed(self) -> bool:
+            return time.monotonic() >= self.end
+
+        def wait(self, timeout=None) -> bool:
+            return True
+
+    sleeps: list[tuple[float, float]] = []  # (time since the op started, sleep asked)
+    real_sleep = time.sleep
+    coll = C.Collectives("poll", timeout_s=30)
+    started = time.monotonic()
+
+    def sleep(s: float) -> None:
+        sleeps.append((time.monotonic() - started, s))
+        real_sleep(s)
+
+    monkeypatch.setattr(C.time, "sleep", sleep)
+    coll._wait(Work(), "a 30 ms op", started)
+    early = [s for at, s in sleeps if at < C._SHORT_WAIT_S - 1e-3]
+    late = [s for at, s in sleeps if at > C._SHORT_WAIT_S + 2e-3]
+    assert early and max(early) <= C._SHORT_MAX_SLEEP_S
+    assert late and max(late) == C._MAX_SLEEP_S > C._SHORT_MAX_SLEEP_S

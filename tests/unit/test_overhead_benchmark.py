@@ -66,3 +66,35 @@ def test_the_stock_work_leaves_out_the_plugins_callbacks_inside_accelerates_wrap
     # accelerate's call, its wrapping less the group filter's callbacks, freeing the weights; rank 1's records apart
     assert abs(overhead._stock_work(acc, 0) - (0.002 + 0.100 - 0.003 + 0.004)) < 1e-12
     assert overhead._stock_work(SimpleNamespace(), 0) is None  # stock: no report
+
+
+def test_the_collector_counts_alike_on_both_sides(monkeypatch):
+    # the plugin's launch: rank 0 collected 1 ms in all (0.2 ms of it inside accelerate's call), rank 1 1.2 ms
+    # (0.3 ms inside); stock's launch: rank 0 1.6 ms, rank 1 1.9 ms
+    plugin = [{"rank": 0, "prepare_s": 0.150, "prepare_stock_work_s": 0.140, "prepare_gc_s": 0.0010,
+               "prepare_gc_upstream_s": 0.0002, "save_state_s": [1.0], "commit_tail_s": [0.0], "load_state_s": [0.5],
+               "cpu": {h: [0.1] for h in overhead.HOOKS}},
+              {"rank": 1, "prepare_s": 0.151, "prepare_stock_work_s": 0.120, "prepare_gc_s": 0.0012,
+               "prepare_gc_upstream_s": 0.0003, "save_state_s": [1.1], "commit_tail_s": [0.0], "load_state_s": [0.4],
+               "cpu": {h: [0.1] for h in overhead.HOOKS}}]
+    stock = [dict(r, prepare_stock_work_s=None, prepare_gc_upstream_s=None, prepare_gc_s=gc)
+             for r, gc in zip(plugin, (0.0016, 0.0019))]
+    monkeypatch.setattr(overhead, "spawn", lambda fn, world, args, *a: plugin if args[1] == "default" else stock)
+    got = overhead._launch(2, "default", "100m", 1, None)
+    assert abs(got["prepare_gc_s"] - 0.0010) < 1e-12  # the least of any rank
+    assert abs(got["prepare_gc_upstream_s"] - 0.0003) < 1e-12  # the most inside accelerate's call
+    assert "prepare_gc_upstream_s" not in overhead._launch(2, "stock", "100m", 1, None)
+    doc = overhead.measure("100m", ["stock", "default"], ["fsdp2_2ranks"], 1, 1, log=lambda m: None, load="config")
+    run = doc["runs"]["fsdp2_2ranks"]
+    assert abs(run["stock"]["prepare_gc_median_s"] - 0.0016) < 1e-12
+    # own 0.011 + 0.0003 inside accelerate's call - stock's 0.0016
+    assert abs(run["default"]["prepare_own_gc_both_sides_median_s"] - 0.0097) < 1e-12
+    row = next(line for line in overhead.markdown(doc).splitlines() if line.startswith("| fsdp2_2ranks | default |"))
+    assert row.split(" | ")[-3:] == ["1.00", "0.0097", f"{100 * 0.0097 / 0.151:.1f} |"]
+
+
+def test_collections_count_only_inside_the_span():
+    c = overhead.Collections()
+    c.spans = [(1.0, 1.5), (2.0, 3.0)]
+    assert c.seconds(1.25, 2.5) == 0.25 + 0.5
+    assert c.seconds(4.0, 5.0) == 0.0
