@@ -202,14 +202,17 @@ class Collections:
 def _upstream_span(acc, rank: int) -> tuple[float, float] | None:
     """Where accelerate's own ``prepare`` call ran inside the plugin's hook (``perf_counter`` seconds, from the
     ``accelerate.prepare`` record); ``None`` for stock."""
-    plugin = getattr(acc, "memsafe_plugin", None)
-    if plugin is None:
-        return None
-    records = [r for r in plugin.report.find(hook="prepare", rank=rank) if r.stage == "accelerate.prepare"]
+    records = [r for r in _prepare_records(acc, rank) if r.stage == "accelerate.prepare"]
     if not records:
         return None
-    origin = plugin.pipeline.origin
+    origin = acc.memsafe_plugin.pipeline.origin
     return origin + records[-1].start_s, origin + records[-1].start_s + records[-1].wall_s
+
+
+def _prepare_records(acc, rank: int) -> list:
+    """This rank's records of the plugin's ``prepare`` hook (none for stock: no plugin, no report)."""
+    plugin = getattr(acc, "memsafe_plugin", None)
+    return plugin.report.find(hook="prepare", rank=rank) if plugin is not None else []
 
 
 def _stock_work(acc, rank: int) -> float | None:
@@ -222,10 +225,7 @@ def _stock_work(acc, rank: int) -> float | None:
     rank's wall minus the largest of these over the ranks is the plugin's own time (:func:`_launch`): the preflight,
     the probes, the agreements and the stages' checks, measured inside one call, so without the launch-to-launch
     spread of comparing two walls."""
-    plugin = getattr(acc, "memsafe_plugin", None)
-    if plugin is None:
-        return None
-    records = plugin.report.find(hook="prepare", rank=rank)
+    records = _prepare_records(acc, rank)
     upstream = [r.wall_s for r in records if r.stage == "accelerate.prepare"]
     wrap = [r.details.get("fsdp2_wrap_s", 0.0) - r.details.get("own_in_wrap_s", 0.0)
             + r.details.get("unsharded_release_s", 0.0) for r in records if r.stage == "shard" and r.status == "ran"]
