@@ -173,8 +173,33 @@ def _check(t: torch.Tensor) -> list[int]:
     """``[finite, checksum]`` of one buffer (``[0, -1]`` for a buffer still on ``meta``)."""
     if t.is_meta:
         return [0, -1]
-    finite = bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
-    return [1 if finite else 0, _checksum(t)]
+    return [1 if _all_finite(t) else 0, _checksum(t)]
+
+
+#: Per float format, the unsigned integer of its width and its exponent bits: a value is finite unless they are all
+#: set (an infinity or a NaN), whatever its sign and mantissa.
+_EXPONENT_BITS = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
+                  torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite. A CPU tensor of the usual float formats is read from the exponent bits
+    of its bytes, through numpy: the first ``torch.isfinite`` of a process costs about 0.4 ms of dispatch set-up, more
+    than the whole buffer check, and the preflight's buffer claim is often the process's first. Other dtypes and
+    devices: ``torch.isfinite``.
+
+    Example:
+        >>> _all_finite(torch.tensor([1.0, -2.5])), _all_finite(torch.tensor([1.0, float("nan")]).bfloat16())
+        (True, False)
+    """
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
+    bits = _EXPONENT_BITS.get(t.dtype)
+    if bits is None or t.device.type != "cpu":
+        return bool(torch.isfinite(t).all())
+    width, mask = bits  # below the sign bit of the signed integer of that width
+    flat = t.detach().contiguous().reshape(-1).view(width).numpy()
+    return not bool(((flat & mask) == mask).any())
 
 
 def _fingerprint(buffers: list) -> list[tuple[weakref.ref, int]]:

@@ -168,7 +168,8 @@ class HookScope:
         """Waits until every rank has reached this point of the hook call, through the store only (no
         collective is posted, so a rank stopped here by a peer's failure leaves the process group usable).
 
-        Each rank marks its arrival and adds one to a counter; the last to arrive sets the agreement's ``done``
+        Each rank adds one to a counter (and, unless it is the last, marks its arrival); the last to arrive sets the
+        agreement's ``done``
         key, which wakes the others at once (the store pushes it to a waiting client: no polling, no backoff
         whose latency would add up over the hook's agreements). A rank that fails sets the ``done`` key of the
         agreement its peers can be waiting at (:meth:`publish`), so they raise at once too. The wait runs in a
@@ -194,11 +195,13 @@ class HookScope:
         stopped = f"at the agreement {what} (its own stages had finished)"
         started = time.monotonic()
         try:
-            self.store.set(f"{key}/{self.rank}", b"1")
             if self.store.add(key, 1) >= self.world_size:
                 # every rank arrived, so none failed before this point (a rank that failed never arrives)
                 self.store.set(f"{key}/done", _ALL_ARRIVED)
                 return
+            # the mark names this rank as arrived should the agreement time out; the last rank to arrive, which ends
+            # it, needs none: one store round trip fewer where it counts
+            self.store.set(f"{key}/{self.rank}", b"1")
             waiting = _wait_for_keys(self.store, [f"{key}/done"], timeout_s)
             deadline = started + timeout_s
             while not waiting.finished.wait(max(min(PEER_CHECK_INTERVAL_S, deadline - time.monotonic()), 0.0)):

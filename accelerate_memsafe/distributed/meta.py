@@ -225,21 +225,25 @@ def move_to_meta(
     return originals
 
 
-def parallelism_blocks_meta_placement(model: Any, parallelism_config: Any) -> str | None:
+def parallelism_blocks_meta_placement(model: Any, parallelism_config: Any, *,
+                                      parameters: list[nn.Parameter] | None = None) -> str | None:
     """Why the rank-0 load does not apply to this model and parallelism layout, or ``None`` when it does.
 
     Any FSDP2 mesh applies (FSDP, HSDP, FSDP × TP, CP): ``rank0_distribute`` sends each rank the block its
     placements give it. Declined: a model whose parameters are already DTensors (parallelised while
     loading, e.g. transformers' ``tp_plan``: every rank already holds its own part), and DeepSpeed
-    sequence parallelism (not an FSDP2 layout).
+    sequence parallelism (not an FSDP2 layout). ``parameters``: the model's parameters
+    (:func:`~accelerate_memsafe.walk.parameters`), when the caller walked it already.
     """
     from torch.distributed.tensor import DTensor
 
     already = None
+    if model is not None and parameters is None:
+        parameters = walk.parameters(model)
     # a plain `nn.Parameter` is no DTensor (a parameter of a tensor subclass has the subclass's type): the
     # isinstance check, slow on DTensor's class, runs only for the others
     if model is not None and any(type(p) is not nn.Parameter and isinstance(p, DTensor)
-                                 for p in walk.parameters(model)):  # names built only then
+                                 for p in parameters):  # names built only then
         already = next(n for n, p in walk.named_parameters(model) if isinstance(p, DTensor))
     if already is not None:
         return (f"the model is already distributed (`{already}` is a DTensor, e.g. loaded with `tp_plan`): each rank "

@@ -157,16 +157,23 @@ class GroupFilter:
         self.managed: set[int] = set()
         self.dropped: list[str] = []
         self._owners: dict[int, set[int]] | None = None  # id(parameter) -> ids of the modules holding it
+        self._tied = True  # whether some parameter is held by several modules (known once the owner map is built)
         self._selected: list[tuple[torch.nn.Module, list[int]]] = []  # (module, ids of its parameters) before sharding
 
     def _owner_map(self) -> dict[int, set[int]]:
         """Which modules of the tree hold each parameter: built once (one walk of the tree), then kept up to date by
         :meth:`formed` (``fully_shard`` replaces the parameters of the modules it groups), so a wrap policy's many
-        calls cost one walk of the tree, not one each."""
+        calls cost one walk of the tree, not one each.
+
+        A tree in which no parameter is held by two modules has no tie to split: every parameter's one holder lies in
+        the subtree of the module whose group takes it, and ``fully_shard`` makes no tie (each parameter becomes one new
+        one). :meth:`select` then skips the tie check, and :meth:`formed` leaves the map as it was (it is not asked
+        again)."""
         if self._owners is None:
             self._owners = {}
             for mod in walk.modules(self.root):
                 self._add_owner(mod)
+            self._tied = any(len(holders) > 1 for holders in self._owners.values())
         return self._owners
 
     def _add_owner(self, mod: torch.nn.Module) -> None:
@@ -182,8 +189,14 @@ class GroupFilter:
                 continue
             ids = [id(p) for p in _group_params(m)]
             if not any(pid in self.managed for pid in ids):
-                candidates.append((m, ids, walk.modules(m)))
+                candidates.append((m, ids))
         owners = self._owner_map()
+        if not self._tied:  # no tie anywhere: nothing to split, and no owner map to keep up to date
+            kept_modules = [m for m, _ in candidates]
+            chosen = {id(m) for m in kept_modules}
+            self.dropped.extend(type(m).__name__ for m in modules if id(m) not in chosen)
+            return kept_modules
+        candidates = [(m, ids, walk.modules(m)) for m, ids in candidates]
         while candidates:
             inside = {id(sub) for _, _, subtree in candidates for sub in subtree}
             kept = [c for c in candidates if all(owners[pid] <= inside for pid in c[1])]
@@ -201,7 +214,7 @@ class GroupFilter:
     def formed(self, modules: list[torch.nn.Module]) -> None:
         for m in modules:
             self.managed.update(id(p) for p in _group_params(m))
-        if self._owners is not None:
+        if self._owners is not None and self._tied:
             # the parameters `fully_shard` replaced leave the map before their successors enter it: a successor may
             # have the id of a replaced parameter that was freed (outside the group every old parameter is still held
             # by its module, so no id of theirs can come back)

@@ -39,7 +39,9 @@ PLACED_KEY = "meta_placed"
 IN_PLACE_KEY = "weights_in_place"
 #: ``ctx.scratch`` key set on a rank that announced its in-place claim in the preflight exchange.
 _CLAIM_KEY = "in_place_claim"
-#: ``ctx.scratch`` key of ``(model, skip reason)``: :meth:`MetaPlacementStage.skip_reason` for that model.
+#: ``ctx.scratch`` key of ``(model, skip reason, its parameters or None)``: :meth:`MetaPlacementStage.skip_reason`
+#: for that model, and the parameter list its check walked (the preflight's estimate and an in-place ``run`` count
+#: them before any stage changed the model: no second walk).
 _SKIP_KEY = "meta_placement_skip_reason"
 
 
@@ -64,10 +66,21 @@ class MetaPlacementStage(Stage):
                                            parallelism_config=ctx.scratch.get("parallelism_config"))
         if not reason and ctx.world_size < 2:
             reason = "single process: nothing to distribute"
+        params = None
         if not reason:
-            reason = parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"))
-        ctx.scratch[_SKIP_KEY] = (ctx.model, reason)
+            params = walk.parameters(ctx.model)
+            reason = parallelism_blocks_meta_placement(ctx.model, ctx.scratch.get("parallelism_config"),
+                                                       parameters=params)
+        ctx.scratch[_SKIP_KEY] = (ctx.model, reason, None if reason else params)
         return reason
+
+    def _parameters(self, ctx: HookContext) -> list:
+        """The model's parameters as :meth:`skip_reason` found them (asked before any stage ran, so the same list),
+        else walked now."""
+        memo = ctx.scratch.get(_SKIP_KEY)
+        if memo is not None and memo[0] is ctx.model and memo[2] is not None:
+            return memo[2]
+        return walk.parameters(ctx.model)
 
     def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
         # rank 0 scans the pagemap of the weights it holds on the CPU (whether they are the file's bytes); so does
@@ -76,7 +89,7 @@ class MetaPlacementStage(Stage):
             return None
         if ctx.rank != 0 and self.in_place_blocker(ctx) is not None:
             return None
-        held = sum(p.numel() * p.element_size() for p in walk.parameters(ctx.model) if p.device.type == "cpu")
+        held = sum(p.numel() * p.element_size() for p in self._parameters(ctx) if p.device.type == "cpu")
         return MemoryEstimate(cpu_bytes=pagemap_scan_bytes(held), what="this rank's pagemap scan of the weights it maps")
 
     def in_place_blocker(self, ctx: HookContext) -> str | None:
@@ -102,6 +115,12 @@ class MetaPlacementStage(Stage):
         return in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
 
     def run(self, ctx: HookContext) -> StageOutcome:
+        memo = ctx.scratch.get(_SKIP_KEY)
+        counted = len(memo[2]) if memo is not None and memo[0] is ctx.model and memo[2] is not None else None
+        if memo is not None:
+            # the list holds every original weight: kept past this stage, it would keep them alive through `shard`
+            # (freed only when the hook's context goes, not when fully_shard has replaced them)
+            ctx.scratch[_SKIP_KEY] = (memo[0], memo[1], None)
         blocker = self.in_place_blocker(ctx)
         coll = None  # made when a collective runs: deciding from the preflight's claims needs none
         claims = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
@@ -115,7 +134,7 @@ class MetaPlacementStage(Stage):
             decision = agree_on_in_place(coll, ctx.model, mixed_precision=ctx.mixed_precision)
         if decision is not None and decision.in_place:
             ctx.scratch[IN_PLACE_KEY] = True
-            return ran(in_place=True, tensors=len(walk.parameters(ctx.model)))
+            return ran(in_place=True, tensors=counted if counted is not None else len(walk.parameters(ctx.model)))
         coll = coll or Collectives(self.name, timeout_s=self.options.collective_timeout_s)
         reference = agree_on_structure(ctx.model, coll, check_finite=self.options.check_finite_weights)
         is_src = ctx.rank == 0

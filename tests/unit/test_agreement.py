@@ -160,3 +160,37 @@ def test_the_waiting_rank_leaves_the_store_usable(monkeypatch):
     out = _on_ranks(stores, fn)
     assert out == ["passed", "passed"], out
     assert timings["set"] < 5.0, timings
+
+
+class _Counting:
+    """A store client that counts the calls made through it (each a round trip to a TCPStore)."""
+
+    def __init__(self, store) -> None:
+        self._store = store
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        method = getattr(self._store, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return method(*args, **kwargs)
+
+        return call
+
+
+def test_the_last_rank_to_arrive_ends_the_agreement_in_two_store_round_trips(monkeypatch):
+    # the rank that arrives last is the one every other rank waits for: it only counts itself in and sets `done`
+    monkeypatch.setattr(collectives, "PEER_CHECK_INTERVAL_S", 1000.0)
+    stores = _stores("tcp", 2)
+    counting = _Counting(stores[1])
+
+    def fn(scope):
+        if scope.rank == 1:
+            time.sleep(0.2)
+            scope.store = counting
+        scope.agree("before `accelerate.prepare`", timeout_s=60)
+        return "passed"
+
+    assert _on_ranks(stores, fn) == ["passed", "passed"]
+    assert counting.calls == ["add", "set"]

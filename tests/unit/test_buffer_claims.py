@@ -143,3 +143,20 @@ def test_a_buffer_replaced_after_the_claim_is_checked_as_it_is_now_not_as_claime
         init_non_persistent_buffers(model, coll=coll, device=torch.device("cpu"), claims=claims, mine=mine)
     sent = coll.calls[0][1].tolist()
     assert sent != list(mine.row) and sent[2] == 0  # the row of a buffer on meta: not usable
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64])
+def test_the_finiteness_read_from_the_exponent_bits_is_torch_isfinite(dtype):
+    from accelerate_memsafe.distributed.buffers import _all_finite
+
+    torch.manual_seed(0)
+    specials = [0.0, -0.0, 1e-30, -3.5, float("inf"), float("-inf"), float("nan"), -float("nan"), 6e4]
+    for value in specials:
+        for size in (1, 5, 64):
+            x = torch.randn(size, dtype=torch.float64)
+            x[size // 2] = value
+            x = x.to(dtype)
+            assert _all_finite(x) == bool(torch.isfinite(x).all()), (dtype, value, size)
+            wide = x.repeat(3).view(3, size).t()  # not contiguous
+            assert _all_finite(wide) == bool(torch.isfinite(wide).all()), (dtype, value, size)
+    assert _all_finite(torch.arange(5)) and _all_finite(torch.zeros(0, dtype=dtype))

@@ -162,3 +162,60 @@ def test_the_owner_map_walks_the_tree_once_for_many_calls(monkeypatch):
         _shard_like_fully_shard(kept)
         f.formed(kept)
     assert len(walks) == 1
+
+
+class Untied(nn.Module):
+    """No parameter held by two modules: the head has weights of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Linear(4, 4)])
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def _run_calls(force_tie_check: bool) -> list[list[str]]:
+    torch.manual_seed(0)
+    m = Untied()
+    names = {id(mod): n for n, mod in m.named_modules()}
+    f = GroupFilter(m)
+    f._owner_map()
+    if force_tie_check:
+        f._tied = True  # the general path, as for a tree with ties
+    answers = []
+    for call in (["layers"], ["layers.0"], ["layers.0"], ["layers.0.0"], ["layers.1"], ["norm", "head"], ["emb"],
+                 ["head"]):
+        kept = f.select([m.get_submodule(n) for n in call])
+        answers.append([names[id(k)] for k in kept])
+        if kept:
+            _shard_like_fully_shard(kept)
+            f.formed(kept)
+    return answers + [sorted(f.dropped)]
+
+
+def test_a_tree_without_ties_skips_the_tie_check_and_answers_the_same(monkeypatch):
+    # every parameter's one holder lies in the subtree of the module whose group takes it: the tie check cannot drop
+    # anything, so it is skipped (no walk of each candidate's subtree, no owner map kept up to date)
+    general = _run_calls(force_tie_check=True)
+    subtree_walks = []
+    real_walk = walk.modules
+    monkeypatch.setattr(walk, "modules", lambda module: subtree_walks.append(type(module).__name__) or real_walk(module))
+    assert _run_calls(force_tie_check=False) == general
+    assert subtree_walks == ["Untied"]  # the one walk of the whole tree that finds no tie
+    assert general[:3] == [[], ["layers.0"], []] and general[5] == ["norm", "head"]
+
+
+def test_a_tree_with_a_tie_takes_the_general_path():
+    f = GroupFilter(Model())
+    f._owner_map()
+    assert f._tied
+    f = GroupFilter(Untied())
+    f._owner_map()
+    assert not f._tied

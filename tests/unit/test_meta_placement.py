@@ -92,16 +92,22 @@ def test_stages_skip_with_reasons_when_they_do_not_apply():
 
 
 def test_meta_placement_walks_the_model_once_per_hook_call_for_its_skip_reason(monkeypatch):
-    """The accelerator, ``announce`` and the pipeline each ask; one walk per model and hook call answers all three."""
-    import accelerate_memsafe.stages.meta_placement as mp
+    """The accelerator, ``announce`` and the pipeline each ask, and the preflight's estimate counts the parameters:
+    one walk per model and hook call answers all four."""
+    from accelerate_memsafe import walk
 
     walks = []
-    real = mp.parallelism_blocks_meta_placement
-    monkeypatch.setattr(mp, "parallelism_blocks_meta_placement", lambda *a: walks.append(1) or real(*a))
+    real = walk.parameters
+    monkeypatch.setattr(walk, "parameters", lambda m: walks.append(1) or real(m))
     stage, ctx = MetaPlacementStage(MemSafePlugin()), _ctx()
     assert [stage.skip_reason(ctx) for _ in range(3)] == [None] * 3 and len(walks) == 1
+    held = sum(p.numel() * p.element_size() for p in ctx.model.parameters())
+    assert stage.estimate(ctx).cpu_bytes > 0 and len(walks) == 1  # the list the skip check walked
+    assert stage._parameters(ctx) == list(ctx.model.parameters()) and len(walks) == 1
+    assert sum(p.numel() * p.element_size() for p in stage._parameters(ctx)) == held
     ctx.model = nn.Linear(3, 3)  # another model (a stage replaced it): asked again
     assert stage.skip_reason(ctx) is None and len(walks) == 2
+    assert stage._parameters(ctx) == list(ctx.model.parameters()) and len(walks) == 2
     assert stage.skip_reason(_ctx()) is None and len(walks) == 3  # a new hook call: a new context
 
 
@@ -155,3 +161,20 @@ def test_a_single_process_prepare_refuses_a_model_on_meta_with_the_reason():
                                           r"`meta_placement` does not run here \(.+\)"):
         acc.prepare(model, opt)
     assert model.weight.is_meta and acc.memsafe_plugin.report.records == []
+
+
+def test_meta_placement_lets_go_of_the_parameter_list_when_it_runs():
+    """The skip check's parameter list holds every original weight: once the stage has run, the hook's context must
+    not keep it (else ``shard`` could not free the unsharded weights, and their release would fall at the end of
+    the hook)."""
+    from accelerate_memsafe.pipeline import ANNOUNCED_KEY
+    from accelerate_memsafe.stages import meta_placement as mp
+
+    stage, ctx = MetaPlacementStage(MemSafePlugin()), _ctx()
+    assert stage.skip_reason(ctx) is None and ctx.scratch[mp._SKIP_KEY][2] is not None
+    token = (("/ckpt.safetensors",), ("id",), "digest")
+    ctx.scratch[ANNOUNCED_KEY] = {"meta_placement": [(token, None), (token, None)]}
+    ctx.scratch[mp._CLAIM_KEY] = True
+    outcome = stage.run(ctx)
+    assert outcome.details == {"in_place": True, "tensors": 2}
+    assert ctx.scratch[mp._SKIP_KEY][2] is None and ctx.scratch[mp._SKIP_KEY][1] is None
