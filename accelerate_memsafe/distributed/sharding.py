@@ -182,7 +182,8 @@ class GroupFilter:
                 self._owners.setdefault(id(p), set()).add(id(mod))
 
     def select(self, modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        # (module, the ids of the parameters its group would manage, its subtree): each walked once per call
+        # (module, the ids of the parameters its group would manage); its subtree too where the tie check needs it:
+        # each walked once per call
         candidates = []
         for m in modules:
             if not _implements_forward(m):

@@ -74,13 +74,21 @@ class MetaPlacementStage(Stage):
         ctx.scratch[_SKIP_KEY] = (ctx.model, reason, None if reason else params)
         return reason
 
+    def _kept_parameters(self, ctx: HookContext, *, release: bool = False) -> list | None:
+        """The parameter list :meth:`skip_reason` walked for this model (``None``: none kept); ``release``: the hook's
+        context lets go of it (the list holds every original weight)."""
+        memo = ctx.scratch.get(_SKIP_KEY)
+        if memo is None:
+            return None
+        if release:
+            ctx.scratch[_SKIP_KEY] = (memo[0], memo[1], None)
+        return memo[2] if memo[0] is ctx.model else None
+
     def _parameters(self, ctx: HookContext) -> list:
         """The model's parameters as :meth:`skip_reason` found them (asked before any stage ran, so the same list),
         else walked now."""
-        memo = ctx.scratch.get(_SKIP_KEY)
-        if memo is not None and memo[0] is ctx.model and memo[2] is not None:
-            return memo[2]
-        return walk.parameters(ctx.model)
+        kept = self._kept_parameters(ctx)
+        return kept if kept is not None else walk.parameters(ctx.model)
 
     def estimate(self, ctx: HookContext) -> MemoryEstimate | None:
         # rank 0 scans the pagemap of the weights it holds on the CPU (whether they are the file's bytes); so does
@@ -115,12 +123,10 @@ class MetaPlacementStage(Stage):
         return in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        memo = ctx.scratch.get(_SKIP_KEY)
-        counted = len(memo[2]) if memo is not None and memo[0] is ctx.model and memo[2] is not None else None
-        if memo is not None:
-            # the list holds every original weight: kept past this stage, it would keep them alive through `shard`
-            # (freed only when the hook's context goes, not when fully_shard has replaced them)
-            ctx.scratch[_SKIP_KEY] = (memo[0], memo[1], None)
+        # kept past this stage, the list would keep every original weight alive through `shard` (freed only when the
+        # hook's context goes, not when fully_shard has replaced them): only its length stays
+        counted = len(kept) if (kept := self._kept_parameters(ctx, release=True)) is not None else None
+        del kept
         blocker = self.in_place_blocker(ctx)
         coll = None  # made when a collective runs: deciding from the preflight's claims needs none
         claims = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
