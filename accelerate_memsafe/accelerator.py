@@ -10,7 +10,7 @@ from typing import Any
 import accelerate
 import torch
 
-from . import _compat
+from . import _compat, walk
 from .env import launch_env, memsafe_variables
 from .memory.report import MemoryReport
 from .pipeline import HookContext, Pipeline
@@ -163,6 +163,13 @@ class MemSafeMixin:
             )
         ctx.model = models[0][1] if models else None
         ctx.optimizers = [getattr(o, "optimizer", o) for o in optimizers]
+        # the look before any stage runs (the checks here, then the pipeline's preflight, which thaws the tree before
+        # its first stage) walks the model's tree once
+        with walk.frozen(ctx.model):
+            return self._memsafe_prepare(ctx, args, models, optimizers, device_placement)
+
+    def _memsafe_prepare(self, ctx: HookContext, args: tuple, models: list, optimizers: list,
+                         device_placement: list[bool] | None) -> Any:
         if ctx.model is not None:
             from .distributed.meta import refuse_unfilled_meta_weights
 

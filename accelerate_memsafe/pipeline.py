@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from . import walk
 from .background import BackgroundWork, process_work
 from .errors import PipelineError
 from .memory.limits import cpu_memory_limit
@@ -416,7 +417,9 @@ class Pipeline:
                 # say, and inside a stage it stalls every rank waiting in the stage's collectives
                 with gc_paused():
                     current = "preflight"
-                    self._preflight(ctx)
+                    with walk.frozen(ctx.model):  # the look: one walk of the tree serves every check
+                        self._preflight(ctx)
+                    walk.thaw(ctx.model)  # and ends here, also where the caller froze it: the stages change the tree
                     for stage in self.stages.get(ctx.hook, ()):
                         current = stage.name
                         reason = self._skip_reason(ctx, stage)
@@ -502,13 +505,11 @@ class Pipeline:
             limit, dev_free = available_memory(ctx.device)
             mine = RankBudget(ctx.rank, limit.key, limit.available, limit.source, dev_free, estimates)
         budgets = [mine]
-        coll = None
         if peers:
-            from .distributed.collectives import Collectives
+            from .distributed.collectives import exchange_objects
 
-            coll = Collectives("preflight", timeout_s=options.collective_timeout_s)
-            everyone = coll.all_gather_object((mine, announced), what="exchange of the preflight memory estimates "
-                                              "and the stages' announcements")
+            everyone = exchange_objects((mine, announced), stage="preflight", timeout_s=options.collective_timeout_s,
+                                        what="exchange of the preflight memory estimates and the stages' announcements")
             budgets = [budget for budget, _ in everyone]
             ctx.scratch[ANNOUNCED_KEY] = {name: [theirs[name] for _, theirs in everyone] for name in announced}
         later = [s for s in later if s.needs_estimate(ctx)]  # the same stages on every rank
@@ -519,8 +520,9 @@ class Pipeline:
                 if est is not None:
                     more[stage.name] = est
             ctx.scratch["estimates"].update(more)
-            theirs = coll.all_gather_object(  # `later` is left empty in one process: there are peers here
-                more, what="exchange of the memory estimates that waited for the announcements")
+            theirs = exchange_objects(  # `later` is left empty in one process: there are peers here
+                more, stage="preflight", timeout_s=options.collective_timeout_s,
+                what="exchange of the memory estimates that waited for the announcements")
             budgets = [dataclasses.replace(b, estimates={**b.estimates, **t}) for b, t in zip(budgets, theirs)]
         if not stages:
             return

@@ -92,6 +92,7 @@ class HookScope:
         self._failures_key = f"{self.prefix}/failures"
         self._agreements = 0
         self._store_error: str | None = None
+        self._drop_after_next: str | None = None
 
     def publish(self, stage: str, exc: BaseException) -> None:
         """Records on the board that this rank failed in ``stage`` with ``exc``, and wakes the peers waiting at an
@@ -190,18 +191,55 @@ class HookScope:
             >>> # with hook_scope("prepare", rank=rank, world_size=2) as scope:
             >>> #     scope.agree("before `accelerate.prepare`", timeout_s=600)
         """
+        self._agree(what, timeout_s=timeout_s)
+
+    def exchange(self, obj: Any, *, what: str, timeout_s: float) -> list[Any]:
+        """Every rank's ``obj`` (picklable, small), in rank order, through the store: an agreement whose arrival
+        marks carry the objects, then one read of them all. Three store round trips on the rank that arrives last,
+        against an all-gather's two collectives on gloo (about twice the time on one node), and a peer that fails
+        before it wakes the waiting ranks at once, as at any agreement. Its store traffic grows with the square of
+        the ranks: :func:`exchange_objects` takes it up to :data:`STORE_EXCHANGE_MAX_RANKS` ranks only. The ranks
+        must call it where they would call :meth:`agree` (it is one).
+
+        Raises:
+            PeerStageError: If another rank failed during this hook call.
+            CollectiveTimeoutError: If a rank did not arrive within ``timeout_s`` (naming it), or the store
+                became unreachable.
+        """
+        key = self._agree(what, timeout_s=timeout_s, mark=pickle.dumps(obj))
+        try:
+            keys = [f"{key}/{r}" for r in range(self.world_size)]
+            raw = self.store.multi_get(keys)
+        except Exception as exc:
+            raise CollectiveTimeoutError(
+                f"hook `{self.hook}`: the exchange {what} on rank {self.rank} failed: the process group's store is "
+                f"unreachable ({type(exc).__name__}: {exc}); the process hosting it (rank 0, or the torchrun agent) "
+                "has probably exited. Check its log."
+            ) from exc
+        # every rank read the others' objects before its next agreement: this rank's is dropped once that completes
+        self._drop_after_next = f"{key}/{self.rank}"
+        return [pickle.loads(bytes(b)) for b in raw]
+
+    def _agree(self, what: str, *, timeout_s: float, mark: bytes | None = None) -> str:
+        """:meth:`agree`; ``mark``: what this rank's arrival mark holds (set before it counts itself in, so every
+        rank's is there once the agreement completes), else ``b"1"``, set by the ranks that wait only. Returns the
+        agreement's key."""
         key = self._agreement_key(self._agreements)
         self._agreements += 1
         stopped = f"at the agreement {what} (its own stages had finished)"
         started = time.monotonic()
         try:
+            if mark is not None:
+                self.store.set(f"{key}/{self.rank}", mark)
             if self.store.add(key, 1) >= self.world_size:
                 # every rank arrived, so none failed before this point (a rank that failed never arrives)
                 self.store.set(f"{key}/done", _ALL_ARRIVED)
-                return
+                self._drop_exchanged()
+                return key
             # the mark names this rank as arrived should the agreement time out; the last rank to arrive, which ends
             # it, needs none: one store round trip fewer where it counts
-            self.store.set(f"{key}/{self.rank}", b"1")
+            if mark is None:
+                self.store.set(f"{key}/{self.rank}", b"1")
             waiting = _wait_for_keys(self.store, [f"{key}/done"], timeout_s)
             deadline = started + timeout_s
             while not waiting.finished.wait(max(min(PEER_CHECK_INTERVAL_S, deadline - time.monotonic()), 0.0)):
@@ -218,6 +256,8 @@ class HookScope:
                 failures = self.peer_failures() or [json.loads(done[len(_FAILED):].decode())]
                 raise self.peer_error(failures, stopped=f"{stopped} after {time.monotonic() - started:.1f}s",
                                       abandoned=False)
+            self._drop_exchanged()
+            return key
         except (PeerStageError, CollectiveTimeoutError):
             raise
         except Exception as exc:
@@ -226,6 +266,14 @@ class HookScope:
                 f"unreachable ({type(exc).__name__}: {exc}); the process hosting it (rank 0, or the torchrun agent) "
                 "has probably exited. Check its log."
             ) from exc
+
+    def _drop_exchanged(self) -> None:
+        """Deletes this rank's object of the last :meth:`exchange` once a later agreement completed (every rank had
+        read it by then), so that a long run's hooks leave no objects in the store."""
+        key, self._drop_after_next = self._drop_after_next, None
+        if key is not None:
+            with contextlib.suppress(Exception):
+                self.store.delete_key(key)
 
     def _agreement_key(self, index: int) -> str:
         return f"{self.prefix}/agree/{index}"
@@ -351,6 +399,27 @@ def hook_scope(hook: str, *, rank: int, world_size: int) -> Iterator[HookScope |
         yield scope
     finally:
         _SCOPES.remove(scope)
+
+
+#: The most ranks whose small objects :func:`exchange_objects` sends through the store (each rank reads every rank's:
+#: the store's traffic grows with the square of the ranks); more take gloo's or NCCL's all-gather.
+STORE_EXCHANGE_MAX_RANKS = 16
+
+
+def exchange_objects(obj: Any, *, stage: str, what: str, timeout_s: float) -> list[Any]:
+    """Every rank's small picklable ``obj``, in rank order, for a metadata exchange of the hook (the pipeline's
+    preflight): through the hook's store (:meth:`HookScope.exchange`) up to :data:`STORE_EXCHANGE_MAX_RANKS` ranks,
+    else :meth:`Collectives.all_gather_object` of the default group. Which way depends on the world size only, the
+    same on every rank. Must be called inside :func:`hook_scope` on every rank, at the same point.
+
+    Raises:
+        PeerStageError: If another rank failed during this hook call.
+        CollectiveTimeoutError: If a rank did not take part within ``timeout_s`` (naming it).
+    """
+    scope = _SCOPES[-1] if _SCOPES else None
+    if scope is not None and scope.world_size <= STORE_EXCHANGE_MAX_RANKS:
+        return scope.exchange(obj, what=f"of stage `{stage}` ({what})", timeout_s=timeout_s)
+    return Collectives(stage, timeout_s=timeout_s).all_gather_object(obj, what=what)
 
 
 def check_not_abandoned(group: Any = None) -> None:
@@ -758,10 +827,13 @@ class Collectives:
 
     def all_gather(self, tensor: torch.Tensor, *, what: str = "all_gather") -> list[torch.Tensor]:
         """``dist.all_gather`` of equally shaped tensors under the deadline; returns one CPU tensor per rank."""
-        tensor = tensor.to(self.device)
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        # on CPU (gloo) no copy to and from the device: each is a dispatch, and the first of a process costs tens of µs
+        on_device = tensor.device != self.device
+        if on_device:
+            tensor = tensor.to(self.device)
+        out = [torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device) for _ in range(self.world_size)]
         self.run(what, lambda: dist.all_gather(out, tensor, group=self.group, async_op=True))
-        return [t.cpu() for t in out]
+        return [t.cpu() for t in out] if on_device else out
 
     def ranks_flagging(self, flag: bool, *, what: str = "agreement") -> list[int]:
         """The ranks whose ``flag`` is set (one all-gather): lets every rank raise together."""
@@ -790,7 +862,7 @@ class Collectives:
             if mine:
                 padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
             tails = [t.numpy().tobytes() for t in self.all_gather(padded, what=f"{what} (rest)")]
-        return [pickle.loads((t[8 : 8 + OBJECT_FIRST_BYTES].numpy().tobytes() + tail)[:n])
+        return [pickle.loads((t.numpy()[8 : 8 + OBJECT_FIRST_BYTES].tobytes() + tail)[:n])
                 for t, tail, n in zip(first, tails, sizes)]
 
     def broadcast_object(self, obj: Any, *, src: int = 0, what: str = "broadcast of metadata") -> Any:
@@ -801,7 +873,7 @@ class Collectives:
             The object of ``src`` on every rank.
         """
         data = pickle.dumps(obj) if self.rank == src else b""
-        first = _first_part(data) if self.rank == src else torch.zeros(8 + OBJECT_FIRST_BYTES, dtype=torch.uint8)
+        first = _first_part(data if self.rank == src else None)
         self.broadcast(first, src=src, what=what)
         size = _size_of(first)
         if size > OBJECT_FIRST_BYTES:
@@ -813,7 +885,7 @@ class Collectives:
         if self.rank == src:
             return obj
         tail = rest.numpy().tobytes() if size > OBJECT_FIRST_BYTES else b""
-        return pickle.loads((first[8 : 8 + OBJECT_FIRST_BYTES].numpy().tobytes() + tail)[:size])
+        return pickle.loads((first.numpy()[8 : 8 + OBJECT_FIRST_BYTES].tobytes() + tail)[:size])
 
 
 #: Bytes of a pickled object that travel with the first collective of :meth:`Collectives.all_gather_object` and
@@ -821,16 +893,19 @@ class Collectives:
 OBJECT_FIRST_BYTES = 16 * 1024
 
 
-def _first_part(data: bytes) -> torch.Tensor:
-    """The first collective's buffer: the object's size (8 bytes, little-endian), then its first bytes."""
-    buf = torch.zeros(8 + OBJECT_FIRST_BYTES, dtype=torch.uint8)
-    head = len(data).to_bytes(8, "little") + data[:OBJECT_FIRST_BYTES]
-    buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    return buf
+def _first_part(data: bytes | None) -> torch.Tensor:
+    """The first collective's buffer: the object's size (8 bytes, little-endian), then its first bytes (zeros for
+    ``None``: a receiver's buffer). Built in Python and handed to torch as one tensor: a process's first ``zeros``, slice
+    and copy cost about half a millisecond of dispatch set-up, more than the exchange's own transfer."""
+    raw = bytearray(8 + OBJECT_FIRST_BYTES)
+    if data is not None:
+        head = len(data).to_bytes(8, "little") + data[:OBJECT_FIRST_BYTES]
+        raw[: len(head)] = head
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def _size_of(first: torch.Tensor) -> int:
-    return int.from_bytes(first[:8].numpy().tobytes(), "little")
+    return int.from_bytes(first.numpy()[:8].tobytes(), "little")
 
 
 def _comm_device(group: Any) -> torch.device:

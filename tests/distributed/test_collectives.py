@@ -51,15 +51,18 @@ def test_a_rank_ends_its_process_group_once_every_rank_got_there():
     assert results == [{"sum": 2.0, "initialized": False}] * 2
 
 
+@pytest.mark.parametrize("through_store", [True, False], ids=["store", "all_gather"])
 @pytest.mark.parametrize("check", [True, False], ids=["preflight_check", "no_preflight_check"])
-def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchange(check):
+def test_what_stages_announce_travels_with_the_preflight_estimates_in_one_exchange(check, through_store):
     # a stage that needs every rank's view (meta_placement's in-place claim) gets it from the preflight's exchange,
-    # not from a collective of its own; without the memory check, the exchange still carries the announcements
-    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=check)
+    # not from a collective of its own; without the memory check, the exchange still carries the announcements.
+    # Up to STORE_EXCHANGE_MAX_RANKS ranks the exchange goes through the store, beyond them through an all-gather
+    results = run_on_ranks(w.announcements_in_one_exchange, 2, timeout=120, check=check, through_store=through_store)
     for res in results:
         assert res["announced"] == [{"value": 0}, {"value": 10}]
         assert len(res["collectives"]) == 1, res["collectives"]  # small objects: one all-gather, no second part
-        assert "announcements" in res["collectives"][0]
+        kind, what = res["collectives"][0]
+        assert kind == ("store" if through_store else "all_gather") and "announcements" in what
         assert res["estimates"] == (["announcing"] if check else [])
 
 
@@ -75,4 +78,4 @@ def test_an_estimate_that_waits_for_the_announcements_takes_a_second_exchange_on
         assert res["estimates"] == (["announcing", "later"] if needed else ["announcing"])
         assert res["later_cpu"] == ((rank + 1) << 20 if needed else 0)
         if needed:
-            assert "waited for the announcements" in res["collectives"][1]
+            assert res["collectives"][1][0] == "store" and "waited for the announcements" in res["collectives"][1][1]

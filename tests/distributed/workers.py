@@ -176,9 +176,11 @@ def exchanges_through_one_waiter(rank: int, world_size: int, *, rounds: int) -> 
     return {"got": got, "waiters": len(waiters)}
 
 
-def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, later: int | None = None) -> dict[str, Any]:
+def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, later: int | None = None,
+                                  through_store: bool = True) -> dict[str, Any]:
     """A pipeline whose stage announces ``rank * 10`` and estimates a small need: what the stage saw of every
-    rank's announcement, and how many collectives the preflight issued (one exchange for both). ``later``: a second
+    rank's announcement, and which exchanges the preflight made (one for both: through the store, or with
+    ``through_store=False`` an all-gather, as beyond ``STORE_EXCHANGE_MAX_RANKS`` ranks). ``later``: a second
     stage whose estimate waits for the announcements and is needed where rank 1 announced ``later``."""
     import torch
 
@@ -216,12 +218,20 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, la
 
     calls = []
     real = collectives.Collectives.all_gather
+    real_exchange = collectives.HookScope.exchange
 
     def counting(self, tensor, *, what="all_gather"):
-        calls.append(what)
+        calls.append(("all_gather", what))
         return real(self, tensor, what=what)
 
+    def counting_exchange(self, obj, *, what, timeout_s):
+        calls.append(("store", what))
+        return real_exchange(self, obj, what=what, timeout_s=timeout_s)
+
     collectives.Collectives.all_gather = counting
+    collectives.HookScope.exchange = counting_exchange
+    if not through_store:
+        collectives.STORE_EXCHANGE_MAX_RANKS = 1
     try:
         ctx = HookContext(hook="save_state", rank=rank, world_size=world_size, device=torch.device("cpu"),
                           options=MemSafePlugin(stages=["shard"], preflight_memory_check=check))
@@ -229,6 +239,7 @@ def announcements_in_one_exchange(rank: int, world_size: int, *, check: bool, la
         Pipeline({"save_state": stages}, MemoryReport()).run(ctx, lambda c: None)
     finally:
         collectives.Collectives.all_gather = real
+        collectives.HookScope.exchange = real_exchange
     return {"announced": seen["announced"], "collectives": calls, "estimates": sorted(ctx.scratch.get("estimates", {})),
             "later_cpu": ctx.scratch.get("estimates", {}).get("later", MemoryEstimate()).cpu_bytes}
 

@@ -194,3 +194,54 @@ def test_the_last_rank_to_arrive_ends_the_agreement_in_two_store_round_trips(mon
 
     assert _on_ranks(stores, fn) == ["passed", "passed"]
     assert counting.calls == ["add", "set"]
+
+
+@pytest.mark.parametrize("kind", ["hash", "tcp"])
+def test_an_exchange_gives_every_rank_every_object_and_leaves_none_in_the_store(kind, monkeypatch):
+    # the preflight's exchange up to STORE_EXCHANGE_MAX_RANKS ranks: an agreement whose arrival marks carry the
+    # objects; each rank's object is deleted once a later agreement completed (every rank had read it by then)
+    monkeypatch.setattr(collectives, "PEER_CHECK_INTERVAL_S", 1000.0)
+    stores = _stores(kind, 3)
+
+    def fn(scope):
+        if scope.rank == 1:
+            time.sleep(0.2)  # the late one: nobody reads before its object is there
+        got = scope.exchange({"rank": scope.rank, "claim": "x" * 100 * scope.rank}, what="of the test", timeout_s=60)
+        key = f"{scope._agreement_key(0)}/{scope.rank}"
+        held = stores[scope.rank].check([key])
+        scope.agree("before `accelerate.prepare`", timeout_s=60)
+        return got, held, key
+
+    out = _on_ranks(stores, fn)
+    for rank in range(3):
+        got, held, _ = out[rank]
+        assert got == [{"rank": r, "claim": "x" * 100 * r} for r in range(3)], out[rank]
+        assert held, "this rank's object stays until a later agreement"
+    time.sleep(0.1)
+    assert not any(stores[0].check([key]) for *_, key in out), "every rank deleted its object after the agreement"
+
+
+def test_a_rank_failing_before_the_exchange_wakes_the_ranks_waiting_in_it_and_a_missing_one_is_named(monkeypatch):
+    monkeypatch.setattr(collectives, "PEER_CHECK_INTERVAL_S", 1000.0)
+    stores = _stores("tcp", 3)
+
+    def fn(scope):
+        if scope.rank == 2:
+            time.sleep(0.2)
+            scope.publish("preflight", MemoryError("in_place_claim"))
+            return "published"
+        return scope.exchange(scope.rank, what="of the preflight", timeout_s=60)
+
+    out = _on_ranks(stores, fn)
+    for rank in (0, 1):
+        assert isinstance(out[rank], PeerStageError) and out[rank].failed_rank == 2, out
+        assert "MemoryError: in_place_claim" in str(out[rank])
+    stores = _stores("tcp", 2)
+
+    def late(scope):
+        if scope.rank == 1:
+            return "never came"
+        return scope.exchange(scope.rank, what="of the preflight", timeout_s=0.5)
+
+    out = _on_ranks(stores, late)
+    assert isinstance(out[0], CollectiveTimeoutError) and "rank(s) [1] never reached it" in str(out[0]), out

@@ -160,3 +160,16 @@ def test_the_finiteness_read_from_the_exponent_bits_is_torch_isfinite(dtype):
             wide = x.repeat(3).view(3, size).t()  # not contiguous
             assert _all_finite(wide) == bool(torch.isfinite(wide).all()), (dtype, value, size)
     assert _all_finite(torch.arange(5)) and _all_finite(torch.zeros(0, dtype=dtype))
+
+
+def test_the_unnamed_walk_finds_the_buffers_of_the_named_one_in_its_order():
+    # buffer_init first looks without building module paths; the fingerprint compares position by position
+    from accelerate_memsafe.distributed.buffers import _non_persistent, _non_persistent_unnamed
+
+    shared = Rotary()
+    model = nn.Sequential(Model(), shared, nn.Sequential(shared, Rotary()), Model())
+    model[3].block[1]._buffers["inv_freq"] = model[0].block[1].inv_freq  # one tensor under two modules
+    named = _non_persistent(model)
+    assert len(named) == 3  # the shared module and the shared tensor count once
+    assert [(id(m), n, id(b)) for _, m, n, b in named] == [
+        (id(m), n, id(b)) for _, m, n, b in _non_persistent_unnamed(model)]

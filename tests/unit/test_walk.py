@@ -35,8 +35,9 @@ def _transformers(kind: str) -> nn.Module:
     raise ValueError(kind)
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["walked", "frozen"])
 @pytest.mark.parametrize("kind", ["shared_tree", "llama_tied", "t5", "checkpoint_wrapped"])
-def test_the_walks_match_torchs(kind):
+def test_the_walks_match_torchs(kind, frozen):
     if kind == "shared_tree":
         model = _shared_tree()
     elif kind == "checkpoint_wrapped":
@@ -48,6 +49,11 @@ def test_the_walks_match_torchs(kind):
             layers[i] = checkpoint_wrapper(layer)
     else:
         model = _transformers(kind)
+    with walk.frozen(model if frozen else None):
+        _check_walks(model)
+
+
+def _check_walks(model):
     for dedupe in (True, False):
         mine = walk.named_modules(model, remove_duplicate=dedupe)
         theirs = list(model.named_modules(remove_duplicate=dedupe))
@@ -59,3 +65,75 @@ def test_the_walks_match_torchs(kind):
     assert all(a is b for a, b in zip(walk.parameters(model), model.parameters()))
     assert all(a is b for a, b in zip(walk.modules(model), model.modules()))
     assert len(walk.modules(model)) == len(list(model.modules()))
+
+
+def test_a_frozen_tree_is_walked_once_and_its_tensors_are_still_read_live(monkeypatch):
+    model = _shared_tree()
+    calls = []
+    real = walk._walk
+    monkeypatch.setattr(walk, "_walk", lambda m, remove_duplicate: calls.append(remove_duplicate) or real(m, remove_duplicate))
+    with walk.frozen(model):
+        walk.named_modules(model)
+        walk.named_parameters(model)
+        walk.parameters(model)
+        walk.named_modules(model, remove_duplicate=False)
+        walk.modules(model)
+        assert calls == [False], "the look's walks share one walk of the tree"
+        new = nn.Parameter(torch.zeros(2, 4))
+        model[0][2][2].weight = new  # a parameter replaced meanwhile is seen: only the tree is remembered
+        assert any(p is new for p in walk.parameters(model))
+        model.add_module("late", nn.Linear(2, 2))
+        assert "late" not in [n for n, _ in walk.named_modules(model)], "the caller promised an unchanged tree"
+        with walk.frozen(model):  # re-entrant: the inner one leaves the outer's walk in place
+            pass
+        assert "late" not in [n for n, _ in walk.named_modules(model)]
+        walk.thaw(model)  # ended early (the pipeline, before its first stage)
+        assert "late" in [n for n, _ in walk.named_modules(model)]
+    assert "late" in [n for n, _ in walk.named_modules(model)]
+    assert not walk._FROZEN
+    other = _shared_tree()
+    with walk.frozen(model):
+        assert [m for _, m in walk.named_modules(other)] == list(other.modules()), "another model is walked as it is"
+
+
+def test_the_prepare_pipeline_thaws_the_tree_before_its_first_stage(monkeypatch):
+    # the look (announcements, estimates) shares one walk; a stage that changes the tree is seen by the next one
+    from accelerate_memsafe.memory.report import MemoryReport
+    from accelerate_memsafe.pipeline import HookContext, Pipeline, Stage, ran
+
+    model = _shared_tree()
+    calls = []
+    real = walk._walk
+    monkeypatch.setattr(walk, "_walk", lambda m, remove_duplicate: calls.append(remove_duplicate) or real(m, remove_duplicate))
+    seen = {}
+
+    class Looks(Stage):
+        name = "looks"
+        hooks = ("prepare",)
+
+        def announce(self, ctx):
+            return len(walk.named_modules(ctx.model)) + len(walk.parameters(ctx.model))
+
+        def run(self, ctx):
+            ctx.model.add_module("wrapper", nn.Linear(2, 2))
+            return ran()
+
+    class After(Stage):
+        name = "after"
+        hooks = ("prepare",)
+
+        def run(self, ctx):
+            seen["names"] = [n for n, _ in walk.named_modules(ctx.model)]
+            return ran()
+
+    from accelerate_memsafe import MemSafePlugin
+
+    ctx = HookContext(hook="prepare", rank=0, world_size=1, device=torch.device("cpu"), options=MemSafePlugin(stages=[]),
+                      model=model)
+    with walk.frozen(model):  # as the accelerator's prepare opens it around its own checks
+        walk.modules(model)
+        Pipeline({"prepare": (Looks(MemSafePlugin(stages=[])), After(MemSafePlugin(stages=[])))}, MemoryReport()).run(
+            ctx, lambda c: None)
+    assert calls[:1] == [False] and "wrapper" in seen["names"]
+    assert calls.count(False) == 1, "the accelerator's checks and the preflight share the look's one walk"
+    assert not walk._FROZEN
