@@ -9,7 +9,12 @@ Each (setting, path) runs ``--launches`` times in fresh processes: a Llama of ``
 every rank), AdamW, ``prepare``, one training step, then ``--repeats`` rounds of ``save_state`` into a new directory
 and ``load_state`` of it (the directory is deleted afterwards, untimed: no path pays for overwriting an older
 checkpoint). Each figure is the best over
-launches and rounds of the slowest rank's wall (every hook starts after a barrier). What the training loop waits
+launches and rounds of the slowest rank's wall (every hook starts after a barrier), but for ``prepare``: there stock
+issues no collective, so a rank that leaves the barrier late (gloo releases the ranks up to a few milliseconds
+apart) is late in its own wall only, while the plugin's exchange and agreements make the early rank wait for it, which
+the slowest wall would charge to the plugin alone. ``prepare``'s wall is therefore the same span on both paths: from
+the last rank's call to the last rank's return (the ranks' ``perf_counter``, one clock on one host), the time the
+training loop's first collective waits for beyond the ranks' arrival. What the training loop waits
 for is the ``save_state`` call; with the background commit (``async_checkpoint=True``), the time from its return
 until the checkpoint is durable and in place is measured separately (``commit_tail_s``, the training loop does
 not wait for it) and waited for before ``load_state`` is timed, so no path's commit is counted in its load.
@@ -135,6 +140,7 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
     model, opt = _model_and_optimizer(size, ckpt)
     with Collections() as collections:
         prepare_s, (model, opt) = timed(lambda: acc.prepare(model, opt), "prepare_s")
+    prepare_span = list(span)
     stock_work_s = _stock_work(acc, rank)
     gc_s = collections.seconds(*span)
     upstream = _upstream_span(acc, rank)
@@ -156,7 +162,8 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
             shutil.rmtree(target)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
-    return {"rank": rank, "prepare_s": prepare_s, "prepare_stock_work_s": stock_work_s, "prepare_gc_s": gc_s,
+    return {"rank": rank, "prepare_s": prepare_s, "prepare_span": prepare_span, "prepare_stock_work_s": stock_work_s,
+            "prepare_gc_s": gc_s,
             "prepare_gc_upstream_s": gc_upstream_s, "save_state_s": saves, "commit_tail_s": tails, "load_state_s": loads,
             "cpu": cpu}
 
@@ -312,7 +319,10 @@ def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wr
     """One launch: per hook, the slowest rank's wall in each round, then the best round."""
     with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
         ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap), 1800, f"{path}/{world}/{wrap}")
-    out = {"prepare_s": max(r["prepare_s"] for r in ranks)}
+    spans = [r.get("prepare_span") for r in ranks]
+    # from the last rank's call to the last rank's return, on both paths alike (see the top of this file)
+    out = {"prepare_s": max(t1 for _, t1 in spans) - max(t0 for t0, _ in spans) if all(spans)
+           else max(r["prepare_s"] for r in ranks)}
     if all(r.get("prepare_gc_s") is not None for r in ranks):
         # the least any rank spent in Python's collector during `prepare` (what `measure` takes off the plugin's
         # own time for stock: the least, so as not to take off more than the slowest rank paid)
@@ -487,9 +497,10 @@ def markdown(doc: dict) -> str:
              f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW "
              f"({'loaded from its checkpoint by transformers on every rank' if doc.get('load') == 'checkpoint' else 'the same random weights built on every rank'}), best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
-             "over stock's in the same setting; `prepare` runs once per launch (a process's first), so the last six "
+             "over stock's in the same setting; a wall is the slowest rank's, but `prepare`'s is from the last rank's call to "
+             "the last rank's return on both paths; `prepare` runs once per launch (a process's first), so the last six "
              "columns give its median over the launches, the 90% bootstrap interval of the ratio of medians, and the "
-             "plugin's own part of its wall (the slowest rank's wall minus the most work any rank did that stock does "
+             "plugin's own part of its wall (the wall minus the most work any rank did that stock does "
              "too: accelerate's own `prepare` call, accelerate's FSDP2 wrapping, which the `shard` stage runs in its "
              "place, and freeing the unsharded weights; median over the launches) with its share of stock's median "
              "`prepare`; then the time in Python's garbage collector during `prepare` (the least of any rank, median "

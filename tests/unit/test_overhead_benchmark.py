@@ -50,6 +50,23 @@ def test_the_own_time_is_the_slowest_wall_less_the_most_stock_work(monkeypatch):
     assert "prepare_own_s" not in overhead._launch(2, "stock", "100m", 1, None)
 
 
+def test_prepares_wall_runs_from_the_last_ranks_call_to_the_last_ranks_return_on_both_paths(monkeypatch):
+    # rank 1 left the barrier 2 ms late: with the plugin, rank 0 waited for it at the preflight's exchange (its wall
+    # 0.152 s holds the 2 ms); stock's rank 0 never waits (no collective in its prepare). The span from the last call
+    # to the last return leaves the late start out of both alike
+    common = {"save_state_s": [1.0], "commit_tail_s": [0.0], "load_state_s": [0.5],
+              "cpu": {h: [0.1] for h in overhead.HOOKS}}
+    plugin = [dict(common, rank=0, prepare_s=0.152, prepare_span=[10.000, 10.152], prepare_stock_work_s=0.140),
+              dict(common, rank=1, prepare_s=0.150, prepare_span=[10.002, 10.152], prepare_stock_work_s=0.120)]
+    stock = [dict(common, rank=0, prepare_s=0.140, prepare_span=[20.000, 20.140], prepare_stock_work_s=None),
+             dict(common, rank=1, prepare_s=0.141, prepare_span=[20.002, 20.143], prepare_stock_work_s=None)]
+    monkeypatch.setattr(overhead, "spawn", lambda fn, world, args, *a: plugin if args[1] == "default" else stock)
+    got = overhead._launch(2, "default", "100m", 1, None)
+    assert abs(got["prepare_s"] - 0.150) < 1e-9  # not rank 0's 0.152
+    assert abs(got["prepare_own_s"] - 0.010) < 1e-9
+    assert abs(overhead._launch(2, "stock", "100m", 1, None)["prepare_s"] - 0.141) < 1e-9
+
+
 def test_the_stock_work_leaves_out_the_plugins_callbacks_inside_accelerates_wrapping():
     from types import SimpleNamespace
 
