@@ -176,17 +176,30 @@ def named_weights(model: nn.Module, layout: list | None = None, *, detach: bool 
 
     detached: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
+
+    def add(prefix: str, local: str, t: torch.Tensor, is_param: bool) -> None:
+        seen = detached.get(id(t))
+        if seen is None:
+            seen = detached[id(t)] = t.detach() if detach else t
+        name = canonical_name(prefix + local)
+        if name not in out:
+            out[name] = seen
+            if layout is not None:
+                layout.append((name, tuple(t.shape), str(t.dtype), is_param, t.requires_grad))
+
     for mod_name, mod in walk.named_modules(model, remove_duplicate=False):
-        tensors = [(k, p, True) for k, p in mod._parameters.items() if p is not None]
-        tensors += [(k, b, False) for k, b in mod._buffers.items() if b is not None and k not in mod._non_persistent_buffers_set]
-        for local, t, is_param in tensors:
-            if id(t) not in detached:
-                detached[id(t)] = t.detach() if detach else t
-            name = canonical_name(f"{mod_name}.{local}" if mod_name else local)
-            if name not in out:
-                out[name] = detached[id(t)]
-                if layout is not None:
-                    layout.append((name, tuple(t.shape), str(t.dtype), is_param, t.requires_grad))
+        params, buffers = mod._parameters, mod._buffers
+        if not params and not buffers:  # most modules of a transformer hold no tensor of their own
+            continue
+        prefix = f"{mod_name}." if mod_name else ""
+        for local, p in params.items():
+            if p is not None:
+                add(prefix, local, p, True)
+        if buffers:
+            skip = mod._non_persistent_buffers_set
+            for local, b in buffers.items():
+                if b is not None and local not in skip:
+                    add(prefix, local, b, False)
     return out
 
 

@@ -8,6 +8,7 @@ transformers 5.x loads weights as zero-copy views of a memory-mapped file.
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 
 from ..io.mapped_pages import libc as _c_library
@@ -100,8 +101,6 @@ def read_probe_memory() -> ProcMemory | None:
     counters = read_rss_anon()
     if counters is None:
         return None
-    import resource
-
     return ProcMemory(rss=counters[0], anon=counters[1], hwm=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 

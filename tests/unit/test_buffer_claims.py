@@ -173,3 +173,21 @@ def test_the_unnamed_walk_finds_the_buffers_of_the_named_one_in_its_order():
     assert len(named) == 3  # the shared module and the shared tensor count once
     assert [(id(m), n, id(b)) for _, m, n, b in named] == [
         (id(m), n, id(b)) for _, m, n, b in _non_persistent_unnamed(model)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                                   torch.int64])
+def test_the_check_read_once_as_bytes_is_the_check_of_finiteness_and_checksum(dtype):
+    # _check reads a contiguous CPU float buffer once, through numpy, for both parts; other buffers go the long way
+    from accelerate_memsafe.distributed.buffers import _all_finite, _check, _checksum
+
+    base = torch.arange(-6, 6, dtype=torch.float64).reshape(3, 4) / 3
+    cases = [base.to(dtype), base.to(dtype).t(), base.to(dtype)[:0]]
+    if dtype.is_floating_point:
+        for special in (float("nan"), float("inf"), -float("inf")):
+            t = base.to(dtype).clone()
+            t[1, 2] = special
+            cases += [t, t.t()]
+    for t in cases:
+        assert _check(t) == [1 if _all_finite(t) else 0, _checksum(t)], (dtype, t)
+    assert _check(torch.empty(3, device="meta")) == [0, -1]

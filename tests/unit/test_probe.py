@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from accelerate_memsafe.memory.probe import MemoryProbe
@@ -149,3 +150,18 @@ def test_probe_takes_a_new_vmhwm_set_inside_the_region():
         x = torch.ones((hwm_before - read_proc_memory().rss + 64 * 2**20) // 4)  # rises above the old VmHWM
         del x
     assert probe.result.cpu_rss_peak_bytes >= hwm_before + 32 * 2**20
+
+
+def test_building_the_accelerator_takes_the_processs_first_memory_reading_off_the_hooks_path():
+    # the first reading opens /proc/self/statm (kept open for the process's later reads): half a millisecond that the
+    # first probe of a hook paid; start_sampler (run when a memsafe accelerator is built) takes it
+    import os
+
+    from accelerate_memsafe.memory import procfs
+    from accelerate_memsafe.memory.probe import start_sampler
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("no /proc/self/statm here")
+    procfs._STATM.clear()
+    start_sampler()
+    assert str(os.getpid()) in procfs._STATM
