@@ -117,6 +117,7 @@ class _ProcmapQuery(ctypes.Structure):
 _PROCMAP_QUERY = (3 << 30) | (ctypes.sizeof(_ProcmapQuery) << 16) | (ord("f") << 8) | 17
 _PROCMAP_QUERY_FILE_BACKED_VMA = 0x20
 _MAPS_FD: dict[int, int | None] = {}  # pid -> the open /proc/self/maps for the query, None where it is refused
+_PAGEMAP_FD: dict[int, int | None] = {}  # pid -> the open /proc/self/pagemap for PAGEMAP_SCAN, None where refused
 
 
 def _query_mapping(fd: int, addr: int, name: ctypes.Array) -> tuple[int, int, int, str] | None | bool:
@@ -186,11 +187,26 @@ def file_backed_ranges() -> list[tuple[int, int]]:
 def check_kernel_support() -> None:
     """Runs, once per process, the checks of what this kernel's pagemap reports (:func:`unmodified_file_pages` asks
     them at its first call) and opens ``/proc/self/maps`` for :func:`file_mappings_at`: called when a multi-process
-    memsafe accelerator is built, so that the first ``prepare`` does not pay for them. Never raises."""
+    memsafe accelerator is built, so that the first ``prepare`` does not pay for them (and opens ``/proc/self/pagemap``
+    for :func:`unmodified_file_pages`' scans). Never raises."""
     _pagemap_reports_private_writes()
     _scan_reports_private_writes()
     libc()
     _maps_fd()
+    _pagemap_fd()
+
+
+def _pagemap_fd() -> int | None:
+    """This process's open ``/proc/self/pagemap`` for the ``PAGEMAP_SCAN`` queries (``None`` where it cannot be
+    opened), opened once per process, as :func:`_maps_fd`."""
+    pid = os.getpid()
+    if pid not in _PAGEMAP_FD:
+        try:
+            _PAGEMAP_FD.clear()
+            _PAGEMAP_FD[pid] = os.open(_PAGEMAP, os.O_RDONLY)
+        except OSError:
+            _PAGEMAP_FD[pid] = None
+    return _PAGEMAP_FD[pid]
 
 
 def _maps_fd() -> int | None:
@@ -301,9 +317,8 @@ def _scan_written(lo: int, hi: int) -> list[tuple[int, int]] | None:
     page = mmap.PAGESIZE
     vec = (_PageRegion * 64)()
     out: list[tuple[int, int]] = []
-    try:
-        fd = os.open(_PAGEMAP, os.O_RDONLY)
-    except OSError:
+    fd = _pagemap_fd()
+    if fd is None:
         return None
     try:
         for inverted, mask in _WRITTEN_KINDS:
@@ -319,8 +334,6 @@ def _scan_written(lo: int, hi: int) -> list[tuple[int, int]] | None:
                 start = arg.walk_end
     except OSError:
         return None
-    finally:
-        os.close(fd)
     return sorted(out)
 
 

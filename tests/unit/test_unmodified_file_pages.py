@@ -159,3 +159,18 @@ def test_the_kernels_scan_and_the_pagemap_file_find_the_same_written_pages(mappe
     assert pages == written
     counts = mapped_pages._written_before(base, base + 64, set(range(base, base + 65)))
     assert [counts[base + k + 1] - counts[base + k] for k in range(64)] == [int(k in written) for k in range(64)]
+
+
+def test_the_pagemap_is_opened_once_per_process_and_when_the_accelerator_is_built():
+    # the in-place claim's PAGEMAP_SCAN queries reuse one open /proc/self/pagemap (as /proc/self/maps): no open per
+    # query on prepare's path; check_kernel_support (run when a memsafe accelerator is built) opens it
+    import os
+
+    from accelerate_memsafe.io import mapped_pages
+
+    if not os.path.exists("/proc/self/pagemap"):
+        pytest.skip("no /proc/self/pagemap here")
+    mapped_pages._PAGEMAP_FD.clear()
+    mapped_pages.check_kernel_support()
+    fd = mapped_pages._PAGEMAP_FD.get(os.getpid())
+    assert fd is not None and mapped_pages._pagemap_fd() == fd
