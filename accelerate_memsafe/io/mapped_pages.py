@@ -198,27 +198,26 @@ def check_kernel_support() -> None:
 
 def _pagemap_fd() -> int | None:
     """This process's open ``/proc/self/pagemap`` for the ``PAGEMAP_SCAN`` queries (``None`` where it cannot be
-    opened), opened once per process, as :func:`_maps_fd`."""
-    pid = os.getpid()
-    if pid not in _PAGEMAP_FD:
-        try:
-            _PAGEMAP_FD.clear()
-            _PAGEMAP_FD[pid] = os.open(_PAGEMAP, os.O_RDONLY)
-        except OSError:
-            _PAGEMAP_FD[pid] = None
-    return _PAGEMAP_FD[pid]
+    opened), opened once per process."""
+    return _open_once(_PAGEMAP, _PAGEMAP_FD)
 
 
 def _maps_fd() -> int | None:
     """This process's open ``/proc/self/maps`` (``None`` where it cannot be opened), opened once per process."""
+    return _open_once(_MAPS, _MAPS_FD)
+
+
+def _open_once(path: str, cache: dict[int, int | None]) -> int | None:
+    """``path`` opened read-only once per process (``cache`` is keyed by pid: a forked child opens its own, its
+    ``/proc/self`` being another process's), or ``None`` where it cannot be opened."""
     pid = os.getpid()
-    if pid not in _MAPS_FD:
+    if pid not in cache:
         try:
-            _MAPS_FD.clear()
-            _MAPS_FD[pid] = os.open(_MAPS, os.O_RDONLY)
+            cache.clear()
+            cache[pid] = os.open(path, os.O_RDONLY)
         except OSError:
-            _MAPS_FD[pid] = None
-    return _MAPS_FD[pid]
+            cache[pid] = None
+    return cache[pid]
 
 
 @functools.cache
