@@ -255,14 +255,18 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     torch.set_num_threads(1)
     acc = _accelerator("default", world, wrap)
     prepares = {"stock": lambda *objs: accelerate.Accelerator.prepare(acc, *objs), "default": acc.prepare}
-    out = {path: {"prepare_s": [], "save_state_s": [], "load_state_s": [], "commit_tail_s": []} for path in prepares}
+    out = {path: {"prepare_s": [], "prepare_span": [], "save_state_s": [], "load_state_s": [], "commit_tail_s": []}
+           for path in prepares}
+    span: list[float] = []
 
     def timed(fn) -> float:
         gc.collect()  # no path pays a collection that the other's garbage made due
         acc.wait_for_everyone()
         t0 = time.perf_counter()
         fn()
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        span[:] = [t0, t1]
+        return t1 - t0
 
     for k in range(-1, repeats):  # prepare: a new model each time, alternated likewise, round -1 not counted
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
@@ -270,6 +274,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
             prepare_s = timed(lambda objs=objs, path=path: prepares[path](*objs))
             if k >= 0:
                 out[path]["prepare_s"].append(prepare_s)
+                out[path]["prepare_span"].append(list(span))
             acc._models.clear()  # this model is done with: the accelerator holds only the next one
             acc._optimizers.clear()
             del objs
@@ -437,9 +442,18 @@ def _checkpoint_of(size: str, load: str) -> str | None:
     return str(ckpt)
 
 
+def _round_wall(ranks: list[dict], path: str, hook: str, k: int) -> float:
+    """Round ``k``'s wall of ``hook`` by ``path``: the slowest rank's, but ``prepare``'s from the last rank's call to the
+    last rank's return (as in the launches: stock's ``prepare`` has no collective to absorb a late start)."""
+    spans = [r[path].get(f"{hook[:-2]}_span") for r in ranks]
+    if all(spans):
+        return max(s[k][1] for s in spans) - max(s[k][0] for s in spans)
+    return max(r[path][hook][k] for r in ranks)
+
+
 def measure_paired(size: str, settings: list[str], launches: int, repeats: int, log=print,
                    load: str = "checkpoint") -> dict:
-    """``--paired``: per setting, every round's slowest-rank wall of each path; the best and the median over all
+    """``--paired``: per setting, every round's wall of each path (:func:`_round_wall`); the best and the median over all
     rounds of all launches, and the median over rounds of the plugin's wall over stock's in the same round."""
     import statistics
 
@@ -454,7 +468,7 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
                 ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt, wrap), 1800, f"paired/{world}")
             for path, by_hook in rounds.items():
                 for hook, values in by_hook.items():
-                    values.extend(max(r[path][hook][k] for r in ranks) for k in range(repeats))
+                    values.extend(_round_wall(ranks, path, hook, k) for k in range(repeats))
             log(f"launch {i + 1}/{launches} {setting}: " + ", ".join(
                 f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in HOOKS))
         row = {}
@@ -478,7 +492,7 @@ def markdown_paired(doc: dict) -> str:
              f"accelerate and of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + "
              f"AdamW, {doc['launches']} launches x "
              f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
-             f"timed call ({doc['timestamp']}); a wall is the slowest rank's; the median ratio is the median over rounds of the plugin's wall over stock's in the same round:\n",
+             f"timed call ({doc['timestamp']}); a wall is the slowest rank's, but `prepare`'s runs from the last rank's call to the last rank's return; the median ratio is the median over rounds of the plugin's wall over stock's in the same round:\n",
              "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
              "| median ratio | plugin commit in background, median (s) |",
              "|---|---|---|---|---|---|---|---|---|"]

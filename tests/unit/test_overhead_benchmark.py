@@ -115,3 +115,10 @@ def test_collections_count_only_inside_the_span():
     c.spans = [(1.0, 1.5), (2.0, 3.0)]
     assert c.seconds(1.25, 2.5) == 0.25 + 0.5
     assert c.seconds(4.0, 5.0) == 0.0
+
+
+def test_a_paired_rounds_prepare_runs_from_the_last_call_to_the_last_return_and_the_other_hooks_take_the_slowest():
+    ranks = [{"default": {"prepare_s": [0.052], "prepare_span": [[5.000, 5.052]], "save_state_s": [0.9]}},
+             {"default": {"prepare_s": [0.050], "prepare_span": [[5.002, 5.052]], "save_state_s": [1.1]}}]
+    assert abs(overhead._round_wall(ranks, "default", "prepare_s", 0) - 0.050) < 1e-9  # rank 1 called 2 ms late
+    assert overhead._round_wall(ranks, "default", "save_state_s", 0) == 1.1
