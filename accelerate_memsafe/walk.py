@@ -19,8 +19,9 @@ from collections.abc import Iterator
 
 from torch import nn
 
-# id(model) -> (model, every (path, module) of its tree, duplicates included, or None until the first walk)
-_FROZEN: dict[int, tuple[nn.Module, list[tuple[str, nn.Module]] | None]] = {}
+# id(model) -> [model, every (path, module) of its tree (duplicates included), its modules once each]: each list is
+# None until a walk asked for it (:func:`modules` alone builds no path, the cheaper walk)
+_FROZEN: dict[int, list] = {}
 
 
 @contextlib.contextmanager
@@ -41,7 +42,7 @@ def frozen(model: nn.Module | None) -> Iterator[None]:
     if model is None or id(model) in _FROZEN:
         yield
         return
-    _FROZEN[id(model)] = (model, None)
+    _FROZEN[id(model)] = [model, None, None]
     try:
         yield
     finally:
@@ -55,13 +56,18 @@ def thaw(model: nn.Module | None) -> None:
         del _FROZEN[id(model)]
 
 
+def _frozen_entry(model: nn.Module) -> list | None:
+    entry = _FROZEN.get(id(model))
+    return entry if entry is not None and entry[0] is model else None
+
+
 def _remembered(model: nn.Module) -> list[tuple[str, nn.Module]] | None:
     """Every path of the frozen ``model``'s tree (walked at the first call), or ``None`` when it is not frozen."""
-    entry = _FROZEN.get(id(model))
-    if entry is None or entry[0] is not model:
+    entry = _frozen_entry(model)
+    if entry is None:
         return None
     if entry[1] is None:
-        entry = _FROZEN[id(model)] = (model, _walk(model, remove_duplicate=False))
+        entry[1] = _walk(model, remove_duplicate=False)
     return entry[1]
 
 
@@ -148,10 +154,18 @@ def modules(model: nn.Module) -> list[nn.Module]:
         >>> len(modules(nn.Sequential(shared, shared)))
         2
     """
-    paths = _remembered(model)
-    if paths is not None:
-        seen: set[int] = set()
-        return [m for _, m in paths if id(m) not in seen and not seen.add(id(m))]
+    entry = _frozen_entry(model)
+    if entry is not None:
+        if entry[2] is None:  # from the paths where a walk built them, else a walk without them
+            paths = entry[1]
+            seen: set[int] = set()
+            entry[2] = ([m for _, m in paths if id(m) not in seen and not seen.add(id(m))] if paths is not None
+                        else _modules(model))
+        return list(entry[2])
+    return _modules(model)
+
+
+def _modules(model: nn.Module) -> list[nn.Module]:
     out: list[nn.Module] = []
     seen: set[int] = set()
     stack = [model]

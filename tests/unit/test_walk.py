@@ -67,11 +67,18 @@ def _check_walks(model):
     assert len(walk.modules(model)) == len(list(model.modules()))
 
 
+def _count_walks(monkeypatch) -> list:
+    """Records each walk of a tree: ``remove_duplicate`` of a walk with paths, ``"modules"`` for one without."""
+    calls: list = []
+    real, real_modules = walk._walk, walk._modules
+    monkeypatch.setattr(walk, "_walk", lambda m, remove_duplicate: calls.append(remove_duplicate) or real(m, remove_duplicate))
+    monkeypatch.setattr(walk, "_modules", lambda m: calls.append("modules") or real_modules(m))
+    return calls
+
+
 def test_a_frozen_tree_is_walked_once_and_its_tensors_are_still_read_live(monkeypatch):
     model = _shared_tree()
-    calls = []
-    real = walk._walk
-    monkeypatch.setattr(walk, "_walk", lambda m, remove_duplicate: calls.append(remove_duplicate) or real(m, remove_duplicate))
+    calls = _count_walks(monkeypatch)
     with walk.frozen(model):
         walk.named_modules(model)
         walk.named_parameters(model)
@@ -79,6 +86,7 @@ def test_a_frozen_tree_is_walked_once_and_its_tensors_are_still_read_live(monkey
         walk.named_modules(model, remove_duplicate=False)
         walk.modules(model)
         assert calls == [False], "the look's walks share one walk of the tree"
+        assert walk.modules(model) == list(model.modules())
         new = nn.Parameter(torch.zeros(2, 4))
         model[0][2][2].weight = new  # a parameter replaced meanwhile is seen: only the tree is remembered
         assert any(p is new for p in walk.parameters(model))
@@ -102,9 +110,7 @@ def test_the_prepare_pipeline_thaws_the_tree_before_its_first_stage(monkeypatch)
     from accelerate_memsafe.pipeline import HookContext, Pipeline, Stage, ran
 
     model = _shared_tree()
-    calls = []
-    real = walk._walk
-    monkeypatch.setattr(walk, "_walk", lambda m, remove_duplicate: calls.append(remove_duplicate) or real(m, remove_duplicate))
+    calls = _count_walks(monkeypatch)
     seen = {}
 
     class Looks(Stage):
@@ -134,6 +140,21 @@ def test_the_prepare_pipeline_thaws_the_tree_before_its_first_stage(monkeypatch)
         walk.modules(model)
         Pipeline({"prepare": (Looks(MemSafePlugin(stages=[])), After(MemSafePlugin(stages=[])))}, MemoryReport()).run(
             ctx, lambda c: None)
-    assert calls[:1] == [False] and "wrapper" in seen["names"]
-    assert calls.count(False) == 1, "the accelerator's checks and the preflight share the look's one walk"
+    assert "wrapper" in seen["names"]
+    # the accelerator's checks walk without paths (as a one-process prepare only does), the announcement with them,
+    # once, and its parameters come from the walks already made
+    assert calls[:2] == ["modules", False], calls
+    assert calls.count(False) == 1 and calls.count("modules") == 1, calls[:4]
     assert not walk._FROZEN
+
+
+def test_a_frozen_tree_asked_for_its_modules_first_walks_without_paths_and_answers_as_torch(monkeypatch):
+    model = _shared_tree()
+    calls = _count_walks(monkeypatch)
+    with walk.frozen(model):
+        assert walk.modules(model) == list(model.modules())
+        assert [p for p in walk.parameters(model)] == list(model.parameters())
+        assert calls == ["modules"], "one walk without paths (a one-process prepare's only walk)"
+        assert walk.named_modules(model, remove_duplicate=False) == list(model.named_modules(remove_duplicate=False))
+        assert walk.modules(model) == list(model.modules())
+    assert calls == ["modules", False]
