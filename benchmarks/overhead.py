@@ -326,8 +326,7 @@ def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wr
         ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap), 1800, f"{path}/{world}/{wrap}")
     spans = [r.get("prepare_span") for r in ranks]
     # from the last rank's call to the last rank's return, on both paths alike (see the top of this file)
-    out = {"prepare_s": max(t1 for _, t1 in spans) - max(t0 for t0, _ in spans) if all(spans)
-           else max(r["prepare_s"] for r in ranks)}
+    out = {"prepare_s": _last_call_to_last_return(spans) if all(spans) else max(r["prepare_s"] for r in ranks)}
     if all(r.get("prepare_gc_s") is not None for r in ranks):
         # the least any rank spent in Python's collector during `prepare` (what `measure` takes off the plugin's
         # own time for stock: the least, so as not to take off more than the slowest rank paid)
@@ -445,10 +444,16 @@ def _checkpoint_of(size: str, load: str) -> str | None:
 def _round_wall(ranks: list[dict], path: str, hook: str, k: int) -> float:
     """Round ``k``'s wall of ``hook`` by ``path``: the slowest rank's, but ``prepare``'s from the last rank's call to the
     last rank's return (as in the launches: stock's ``prepare`` has no collective to absorb a late start)."""
-    spans = [r[path].get(f"{hook[:-2]}_span") for r in ranks]
+    spans = [r[path].get(hook.removesuffix("_s") + "_span") for r in ranks]
     if all(spans):
-        return max(s[k][1] for s in spans) - max(s[k][0] for s in spans)
+        return _last_call_to_last_return([s[k] for s in spans])
     return max(r[path][hook][k] for r in ranks)
+
+
+def _last_call_to_last_return(spans: list) -> float:
+    """The wall from the last rank's call to the last rank's return, from each rank's ``[call, return]``
+    (``perf_counter`` seconds: one clock on one host)."""
+    return max(t1 for _, t1 in spans) - max(t0 for t0, _ in spans)
 
 
 def measure_paired(size: str, settings: list[str], launches: int, repeats: int, log=print,

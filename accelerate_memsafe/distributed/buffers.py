@@ -65,27 +65,17 @@ class BufferStats:
         return out
 
 
-def _non_persistent(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:
+def _non_persistent(model: nn.Module, *, names: bool = True) -> list[tuple[str | None, nn.Module, str, torch.Tensor]]:
+    """``(name, module, local name, tensor)`` of every non-persistent buffer, each tensor once, in module order.
+    ``names=False``: ``None`` for the name, from a walk that builds no module path (enough to see that the buffers are
+    still the tensors a claim fingerprinted, :func:`_unchanged`)."""
     out, seen = [], set()
-    for mod_name, mod in walk.named_modules(model):
+    for mod_name, mod in walk.named_modules(model) if names else ((None, m) for m in walk.modules(model)):
         for local, b in mod._buffers.items():
             if b is None or local not in mod._non_persistent_buffers_set or id(b) in seen:
                 continue
             seen.add(id(b))
-            out.append((f"{mod_name}.{local}" if mod_name else local, mod, local, b))
-    return out
-
-
-def _non_persistent_unnamed(model: nn.Module) -> list[tuple[None, nn.Module, str, torch.Tensor]]:
-    """:func:`_non_persistent` without the names (``None`` in their place), in the same order: a walk that builds no
-    module path, enough to see that the buffers are still the tensors a claim fingerprinted (:func:`_unchanged`)."""
-    out, seen = [], set()
-    for mod in walk.modules(model):
-        for local, b in mod._buffers.items():
-            if b is None or local not in mod._non_persistent_buffers_set or id(b) in seen:
-                continue
-            seen.add(id(b))
-            out.append((None, mod, local, b))
+            out.append(((f"{mod_name}.{local}" if mod_name else local) if names else None, mod, local, b))
     return out
 
 
@@ -189,23 +179,24 @@ def _check(t: torch.Tensor) -> list[int]:
     preflight of a process's first ``prepare``."""
     if t.is_meta:
         return [0, -1]
-    bits = _EXPONENT_BITS.get(t.dtype)
-    if bits is not None and t.device.type == "cpu" and t.is_contiguous() and t.numel():
+    if t.dtype in _EXPONENT_BITS and t.device.type == "cpu" and t.is_contiguous() and t.numel():
         raw = t.detach().reshape(-1).view(torch.uint8).numpy()
-        width, mask = bits
-        flat = raw.view(_NUMPY_INT[width])
-        return [0 if ((flat & mask) == mask).any() else 1, _digest(memoryview(raw))]
+        return [1 if _finite_bytes(raw, t.dtype) else 0, _digest(memoryview(raw))]
     return [1 if _all_finite(t) else 0, _checksum(t)]
 
 
-#: Per float format, the unsigned integer of its width and its exponent bits: a value is finite unless they are all
-#: set (an infinity or a NaN), whatever its sign and mantissa.
-_EXPONENT_BITS = {torch.float16: (torch.int16, 0x7C00), torch.bfloat16: (torch.int16, 0x7F80),
-                  torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+#: Per float format, the numpy integer of its width and its exponent bits: a value is finite unless they are all set
+#: (an infinity or a NaN), whatever its sign and mantissa.
+_EXPONENT_BITS = {torch.float16: ("i2", 0x7C00), torch.bfloat16: ("i2", 0x7F80),
+                  torch.float32: ("i4", 0x7F800000), torch.float64: ("i8", 0x7FF0000000000000)}
 
 
-#: The numpy integer of each width in :data:`_EXPONENT_BITS`.
-_NUMPY_INT = {torch.int16: "i2", torch.int32: "i4", torch.int64: "i8"}
+def _finite_bytes(raw: Any, dtype: torch.dtype) -> bool:
+    """Whether every value of ``dtype`` (one of :data:`_EXPONENT_BITS`) in the bytes ``raw`` (a uint8 numpy array) is
+    finite, read from the exponent bits (below the sign bit of the signed integer of that width)."""
+    width, mask = _EXPONENT_BITS[dtype]
+    flat = raw.view(width)
+    return not bool(((flat & mask) == mask).any())
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -220,12 +211,9 @@ def _all_finite(t: torch.Tensor) -> bool:
     """
     if not (t.is_floating_point() or t.is_complex()):
         return True
-    bits = _EXPONENT_BITS.get(t.dtype)
-    if bits is None or t.device.type != "cpu":
+    if t.dtype not in _EXPONENT_BITS or t.device.type != "cpu":
         return bool(torch.isfinite(t).all())
-    width, mask = bits  # below the sign bit of the signed integer of that width
-    flat = t.detach().contiguous().reshape(-1).view(width).numpy()
-    return not bool(((flat & mask) == mask).any())
+    return _finite_bytes(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), t.dtype)
 
 
 def _fingerprint(buffers: list) -> list[tuple[weakref.ref, int]]:
@@ -341,7 +329,7 @@ def init_non_persistent_buffers(model: nn.Module, *, coll: Collectives, device: 
     stats = BufferStats()
     row = None
     if mine is not None:  # most often the claimed buffers are still in place, unwritten: no names needed to see it
-        held = _non_persistent_unnamed(model)
+        held = _non_persistent(model, names=False)
         if held and _unchanged(mine.fingerprint, held):
             row = mine.row
     buffers = _non_persistent(model) if row is None else held

@@ -164,7 +164,7 @@ def test_the_finiteness_read_from_the_exponent_bits_is_torch_isfinite(dtype):
 
 def test_the_unnamed_walk_finds_the_buffers_of_the_named_one_in_its_order():
     # buffer_init first looks without building module paths; the fingerprint compares position by position
-    from accelerate_memsafe.distributed.buffers import _non_persistent, _non_persistent_unnamed
+    from accelerate_memsafe.distributed.buffers import _non_persistent
 
     shared = Rotary()
     model = nn.Sequential(Model(), shared, nn.Sequential(shared, Rotary()), Model())
@@ -172,7 +172,7 @@ def test_the_unnamed_walk_finds_the_buffers_of_the_named_one_in_its_order():
     named = _non_persistent(model)
     assert len(named) == 3  # the shared module and the shared tensor count once
     assert [(id(m), n, id(b)) for _, m, n, b in named] == [
-        (id(m), n, id(b)) for _, m, n, b in _non_persistent_unnamed(model)]
+        (id(m), n, id(b)) for _, m, n, b in _non_persistent(model, names=False)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
