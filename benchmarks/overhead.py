@@ -222,7 +222,7 @@ def _prepare_records(acc, rank: int) -> list:
     return plugin.report.find(hook="prepare", rank=rank) if plugin is not None else []
 
 
-def _stock_work(acc, rank: int) -> float | None:
+def _stock_work(acc, rank: int, since: int = 0) -> float | None:
     """The part of this rank's ``prepare`` wall that a stock ``prepare`` does too, from the plugin's report:
     accelerate's own ``prepare`` call (the ``accelerate.prepare`` record), accelerate's FSDP2 wrapping, which the
     ``shard`` stage runs in its place (``fsdp2_wrap_s``: ``fsdp2_prepare_model`` and its ``fully_shard`` calls, less
@@ -231,12 +231,21 @@ def _stock_work(acc, rank: int) -> float | None:
     ``100m`` model, which stock pays when it switches its optimizer to the shards). ``None`` for stock. The slowest
     rank's wall minus the largest of these over the ranks is the plugin's own time (:func:`_launch`): the preflight,
     the probes, the agreements and the stages' checks, measured inside one call, so without the launch-to-launch
-    spread of comparing two walls."""
-    records = _prepare_records(acc, rank)
+    spread of comparing two walls. ``since``: only the records after the first ``since`` of this rank's ``prepare``
+    records (one call of several in a process)."""
+    records = _prepare_records(acc, rank)[since:]
     upstream = [r.wall_s for r in records if r.stage == "accelerate.prepare"]
     wrap = [r.details.get("fsdp2_wrap_s", 0.0) - r.details.get("own_in_wrap_s", 0.0)
             + r.details.get("unsharded_release_s", 0.0) for r in records if r.stage == "shard" and r.status == "ran"]
     return sum(upstream) + sum(wrap) if upstream else None
+
+
+def _upstream_wall(acc, rank: int, hook: str, since: int) -> float | None:
+    """The wall of accelerate's own ``hook`` call inside the plugin's last hook call on this rank (its
+    ``accelerate.<hook>`` record among this rank's ``hook`` records after the first ``since``); ``None``: none."""
+    records = acc.memsafe_plugin.report.find(hook=hook, rank=rank)[since:]
+    walls = [r.wall_s for r in records if r.stage == f"accelerate.{hook}"]
+    return sum(walls) if walls else None
 
 
 def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None,
@@ -257,6 +266,9 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     prepares = {"stock": lambda *objs: accelerate.Accelerator.prepare(acc, *objs), "default": acc.prepare}
     out = {path: {"prepare_s": [], "prepare_span": [], "save_state_s": [], "load_state_s": [], "commit_tail_s": []}
            for path in prepares}
+    # the plugin's calls: the work stock does too, measured inside the same call (its own time is the rest)
+    out["default"].update(prepare_stock_work_s=[], save_state_upstream_s=[])
+    report = acc.memsafe_plugin.report
     span: list[float] = []
 
     def timed(fn) -> float:
@@ -271,10 +283,13 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     for k in range(-1, repeats):  # prepare: a new model each time, alternated likewise, round -1 not counted
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
             objs = _model_and_optimizer(size, ckpt)
+            since = len(_prepare_records(acc, rank))
             prepare_s = timed(lambda objs=objs, path=path: prepares[path](*objs))
             if k >= 0:
                 out[path]["prepare_s"].append(prepare_s)
                 out[path]["prepare_span"].append(list(span))
+                if path == "default":
+                    out[path]["prepare_stock_work_s"].append(_stock_work(acc, rank, since))
             acc._models.clear()  # this model is done with: the accelerator holds only the next one
             acc._optimizers.clear()
             del objs
@@ -287,7 +302,10 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
             save, load = calls[path]
             target = os.path.join(work, f"{path}{k}")
+            since = len(report.find(hook="save_state", rank=rank))
             save_s = timed(lambda save=save, target=target: save(target))
+            if k >= 0 and path == "default":
+                out[path]["save_state_upstream_s"].append(_upstream_wall(acc, rank, "save_state", since))
             t0 = time.perf_counter()
             acc.memsafe_plugin.wait_for_checkpoint()  # the background commit, outside every timed hook
             tail_s = time.perf_counter() - t0
@@ -456,6 +474,27 @@ def _last_call_to_last_return(spans: list) -> float:
     return max(t1 for _, t1 in spans) - max(t0 for t0, _ in spans)
 
 
+def _round_own(ranks: list[dict], hook: str, k: int) -> float | None:
+    """Round ``k``'s own time of the plugin in ``hook``: its wall less the work stock does too, measured inside the same
+    call, so without the spread between two calls. ``prepare``: the wall of :func:`_round_wall` less the most stock work
+    of any rank (:func:`_stock_work`); ``save_state``: the most any rank spent outside accelerate's own call inside the
+    hook (its wall less its ``accelerate.save_state`` record). ``None`` for ``load_state``, whose ``optimizer_cpu_reload``
+    stage does part of accelerate's work in its place, so that no part of the call is stock's alone.
+
+    Example:
+        >>> ranks = [{"default": {"save_state_s": [0.50], "save_state_upstream_s": [0.49]}},
+        ...          {"default": {"save_state_s": [0.50], "save_state_upstream_s": [0.495]}}]
+        >>> round(_round_own(ranks, "save_state_s", 0), 3)
+        0.01
+    """
+    plugin = [r["default"] for r in ranks]
+    if hook == "prepare_s" and all(p.get("prepare_stock_work_s") for p in plugin):
+        return _round_wall(ranks, "default", hook, k) - max(p["prepare_stock_work_s"][k] for p in plugin)
+    if hook == "save_state_s" and all(p.get("save_state_upstream_s") for p in plugin):
+        return max(p["save_state_s"][k] - p["save_state_upstream_s"][k] for p in plugin)
+    return None
+
+
 def measure_paired(size: str, settings: list[str], launches: int, repeats: int, log=print,
                    load: str = "checkpoint") -> dict:
     """``--paired``: per setting, every round's wall of each path (:func:`_round_wall`); the best and the median over all
@@ -468,12 +507,15 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
         world, wrap = SETTINGS[setting]
         rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in (*HOOKS, "commit_tail_s")}
                                                      for p in ("stock", "default")}
+        owns: dict[str, list[float]] = {h: [] for h in HOOKS}
         for i in range(launches):
             with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
                 ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt, wrap), 1800, f"paired/{world}")
             for path, by_hook in rounds.items():
                 for hook, values in by_hook.items():
                     values.extend(_round_wall(ranks, path, hook, k) for k in range(repeats))
+            for hook in HOOKS:
+                owns[hook].extend(own for k in range(repeats) if (own := _round_own(ranks, hook, k)) is not None)
             log(f"launch {i + 1}/{launches} {setting}: " + ", ".join(
                 f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in HOOKS))
         row = {}
@@ -485,7 +527,9 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
             ratios = [d / s for d, s in zip(rounds["default"][hook], rounds["stock"][hook])]
             row[f"{hook}_ratio_median"] = statistics.median(ratios)
             row[f"{hook}_ratio_best"] = row[f"default_{hook}_best"] / row[f"stock_{hook}_best"]
-        rows[setting] = {"rounds": rounds, **row}
+            if owns[hook]:
+                row[f"default_{hook}_own_median"] = statistics.median(owns[hook])
+        rows[setting] = {"rounds": rounds, "own": owns, **row}
     return {"benchmark": "overhead-paired", "size": size, "load": load, "launches": launches, "repeats": repeats,
             "settings": rows, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
@@ -497,16 +541,19 @@ def markdown_paired(doc: dict) -> str:
              f"accelerate and of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + "
              f"AdamW, {doc['launches']} launches x "
              f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
-             f"timed call ({doc['timestamp']}); a wall is the slowest rank's, but `prepare`'s runs from the last rank's call to the last rank's return; the median ratio is the median over rounds of the plugin's wall over stock's in the same round:\n",
+             f"timed call ({doc['timestamp']}); a wall is the slowest rank's, but `prepare`'s runs from the last rank's call to the last rank's return; the median ratio is the median over rounds of the plugin's wall over stock's in the same round. The plugin's own time is its wall less the work stock does too, measured inside the same call (`prepare`: accelerate's own call, its FSDP2 wrapping and the release of the unsharded weights, the most of any rank; `save_state`: the most any rank spent outside accelerate's own call; the collections that fall due when the plugin switches the collector back on count in it; none for `load_state`, where a stage does part of accelerate's work in its place):\n",
              "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
-             "| median ratio | plugin commit in background, median (s) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| median ratio | plugin commit in background, median (s) | plugin's own time, median (s) "
+             "| own time / stock median (%) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, r in doc["settings"].items():
         for hook in HOOKS:
             tail = f"{r['default_commit_tail_s_median']:.3f}" if hook == "save_state_s" else "-"
+            own = r.get(f"default_{hook}_own_median")
+            own_cells = f"{own:.4f} | {100 * own / r[f'stock_{hook}_median']:.1f}" if own is not None else "- | -"
             lines.append(f"| {setting} | {hook[:-2]} | {r[f'stock_{hook}_best']:.3f} | {r[f'default_{hook}_best']:.3f} "
                          f"| {r[f'stock_{hook}_median']:.3f} | {r[f'default_{hook}_median']:.3f} "
-                         f"| {r[f'{hook}_ratio_best']:.2f} | {r[f'{hook}_ratio_median']:.2f} | {tail} |")
+                         f"| {r[f'{hook}_ratio_best']:.2f} | {r[f'{hook}_ratio_median']:.2f} | {tail} | {own_cells} |")
     return "\n".join(lines) + "\n<!-- /table -->\n"
 
 

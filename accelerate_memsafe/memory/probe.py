@@ -195,9 +195,6 @@ class MemoryProbe:
         self._dev = None
         self._dev_sampled_peak = 0
 
-    def _sample(self) -> None:
-        self._take(time.perf_counter(), read_rss_anon())
-
     def _take(self, t: float, mem: tuple[int, int] | None) -> None:
         # one pread of /proc/self/statm per sample: the thread's cost stays small at 500 samples/s
         if mem is not None:
@@ -208,7 +205,7 @@ class MemoryProbe:
     def __enter__(self) -> MemoryProbe:
         if self.trim_heap:
             malloc_trim()
-        self._start_mem = read_probe_memory()
+        self._start_mem = start = read_probe_memory()
         self._dev = _device_module(self.device)
         if self._dev is not None:
             self._dev_device = _device_index(self._dev, self.device)
@@ -216,7 +213,7 @@ class MemoryProbe:
             self._dev_start = _allocated(self._dev, self._dev_device)
             self._dev_max_start = _max_allocated(self._dev, self._dev_device)
             self._dev_sampled_peak = self._dev_start
-        self._sample()
+        self._take(time.perf_counter(), (start.rss, start.anon) if start is not None else None)  # the first sample
         _SAMPLER.add(self)
         self._sampling = True
         if self.track_tensors:
@@ -232,8 +229,8 @@ class MemoryProbe:
         if self._sampling:
             _SAMPLER.remove(self)
             self._sampling = False
-        self._sample()
         end = read_probe_memory()
+        self._take(time.perf_counter(), (end.rss, end.anon) if end is not None else None)  # the last sample
         start = self._start_mem
         samples = self._in_region(wall)
         rss_peak = anon_peak = None

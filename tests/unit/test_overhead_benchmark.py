@@ -122,3 +122,43 @@ def test_a_paired_rounds_prepare_runs_from_the_last_call_to_the_last_return_and_
              {"default": {"prepare_s": [0.050], "prepare_span": [[5.002, 5.052]], "save_state_s": [1.1]}}]
     assert abs(overhead._round_wall(ranks, "default", "prepare_s", 0) - 0.050) < 1e-9  # rank 1 called 2 ms late
     assert overhead._round_wall(ranks, "default", "save_state_s", 0) == 1.1
+
+
+def test_a_paired_rounds_own_time_is_the_wall_less_the_stock_work_of_the_same_call(monkeypatch):
+    # prepare: the round's span (rank 1 called 2 ms late: 0.050 s) less the most stock work of any rank (0.046 s);
+    # save_state: the most any rank spent outside accelerate's call (rank 0: 0.900 - 0.890); load_state: none
+    other = {"commit_tail_s": [0.0], "load_state_s": [0.3]}
+    plugin = [{"prepare_s": [0.052], "prepare_span": [[5.000, 5.052]], "prepare_stock_work_s": [0.046],
+               "save_state_s": [0.900], "save_state_upstream_s": [0.890], **other},
+              {"prepare_s": [0.050], "prepare_span": [[5.002, 5.052]], "prepare_stock_work_s": [0.040],
+               "save_state_s": [0.901], "save_state_upstream_s": [0.896], **other}]
+    stock = [{"prepare_s": [0.047], "prepare_span": [[6.000, 6.047]], "save_state_s": [0.95], **other}] * 2
+    ranks = [{"default": p, "stock": s} for p, s in zip(plugin, stock)]
+    assert abs(overhead._round_own(ranks, "prepare_s", 0) - 0.004) < 1e-9
+    assert abs(overhead._round_own(ranks, "save_state_s", 0) - 0.010) < 1e-9
+    assert overhead._round_own(ranks, "load_state_s", 0) is None
+    monkeypatch.setattr(overhead, "spawn", lambda *a, **k: ranks)
+    doc = overhead.measure_paired("100m", ["fsdp2_2ranks"], 1, 1, log=lambda m: None, load="config")
+    row = doc["settings"]["fsdp2_2ranks"]
+    assert abs(row["default_prepare_s_own_median"] - 0.004) < 1e-9 and "default_load_state_s_own_median" not in row
+    lines = {line.split(" | ")[1]: line for line in overhead.markdown_paired(doc).splitlines()
+             if line.startswith("| fsdp2_2ranks |")}
+    assert lines["save_state"].endswith(f"| 0.0100 | {100 * 0.010 / 0.95:.1f} |")
+    assert lines["load_state"].endswith("| - | - |")
+
+
+def test_the_stock_work_of_one_call_counts_only_that_calls_records():
+    from types import SimpleNamespace
+
+    from accelerate_memsafe.memory.report import MemoryReport, StageRecord
+
+    report = MemoryReport()
+    for wall in (0.5, 0.002):  # an earlier call's record, then this call's
+        report.add(StageRecord(hook="prepare", stage="accelerate.prepare", rank=0, status="ran", reason=None,
+                               wall_s=wall))
+    report.add(StageRecord(hook="save_state", stage="accelerate.save_state", rank=0, status="ran", reason=None,
+                           wall_s=0.7))
+    acc = SimpleNamespace(memsafe_plugin=SimpleNamespace(report=report))
+    assert overhead._stock_work(acc, 0, since=1) == 0.002
+    assert overhead._upstream_wall(acc, 0, "save_state", 0) == 0.7
+    assert overhead._upstream_wall(acc, 0, "save_state", 1) is None
