@@ -209,17 +209,17 @@ class Collections:
 def _upstream_span(acc, rank: int) -> tuple[float, float] | None:
     """Where accelerate's own ``prepare`` call ran inside the plugin's hook (``perf_counter`` seconds, from the
     ``accelerate.prepare`` record); ``None`` for stock."""
-    records = [r for r in _prepare_records(acc, rank) if r.stage == "accelerate.prepare"]
+    records = [r for r in _hook_records(acc, rank) if r.stage == "accelerate.prepare"]
     if not records:
         return None
     origin = acc.memsafe_plugin.pipeline.origin
     return origin + records[-1].start_s, origin + records[-1].start_s + records[-1].wall_s
 
 
-def _prepare_records(acc, rank: int) -> list:
-    """This rank's records of the plugin's ``prepare`` hook (none for stock: no plugin, no report)."""
+def _hook_records(acc, rank: int, hook: str = "prepare") -> list:
+    """This rank's records of the plugin's ``hook`` (none for stock: no plugin, no report)."""
     plugin = getattr(acc, "memsafe_plugin", None)
-    return plugin.report.find(hook="prepare", rank=rank) if plugin is not None else []
+    return plugin.report.find(hook=hook, rank=rank) if plugin is not None else []
 
 
 def _stock_work(acc, rank: int, since: int = 0) -> float | None:
@@ -233,17 +233,18 @@ def _stock_work(acc, rank: int, since: int = 0) -> float | None:
     the probes, the agreements and the stages' checks, measured inside one call, so without the launch-to-launch
     spread of comparing two walls. ``since``: only the records after the first ``since`` of this rank's ``prepare``
     records (one call of several in a process)."""
-    records = _prepare_records(acc, rank)[since:]
-    upstream = [r.wall_s for r in records if r.stage == "accelerate.prepare"]
+    upstream = _upstream_wall(acc, rank, "prepare", since)
     wrap = [r.details.get("fsdp2_wrap_s", 0.0) - r.details.get("own_in_wrap_s", 0.0)
-            + r.details.get("unsharded_release_s", 0.0) for r in records if r.stage == "shard" and r.status == "ran"]
-    return sum(upstream) + sum(wrap) if upstream else None
+            + r.details.get("unsharded_release_s", 0.0) for r in _hook_records(acc, rank)[since:]
+            if r.stage == "shard" and r.status == "ran"]
+    return upstream + sum(wrap) if upstream is not None else None
 
 
 def _upstream_wall(acc, rank: int, hook: str, since: int) -> float | None:
     """The wall of accelerate's own ``hook`` call inside the plugin's last hook call on this rank (its
-    ``accelerate.<hook>`` record among this rank's ``hook`` records after the first ``since``); ``None``: none."""
-    records = acc.memsafe_plugin.report.find(hook=hook, rank=rank)[since:]
+    ``accelerate.<hook>`` record among this rank's ``hook`` records after the first ``since``); ``None``: none (stock).
+    """
+    records = _hook_records(acc, rank, hook)[since:]
     walls = [r.wall_s for r in records if r.stage == f"accelerate.{hook}"]
     return sum(walls) if walls else None
 
@@ -268,7 +269,6 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
            for path in prepares}
     # the plugin's calls: the work stock does too, measured inside the same call (its own time is the rest)
     out["default"].update(prepare_stock_work_s=[], save_state_upstream_s=[])
-    report = acc.memsafe_plugin.report
     span: list[float] = []
 
     def timed(fn) -> float:
@@ -283,7 +283,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
     for k in range(-1, repeats):  # prepare: a new model each time, alternated likewise, round -1 not counted
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
             objs = _model_and_optimizer(size, ckpt)
-            since = len(_prepare_records(acc, rank))
+            since = len(_hook_records(acc, rank))
             prepare_s = timed(lambda objs=objs, path=path: prepares[path](*objs))
             if k >= 0:
                 out[path]["prepare_s"].append(prepare_s)
@@ -302,7 +302,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
         for path in (("stock", "default") if k % 2 == 0 else ("default", "stock")):
             save, load = calls[path]
             target = os.path.join(work, f"{path}{k}")
-            since = len(report.find(hook="save_state", rank=rank))
+            since = len(_hook_records(acc, rank, "save_state"))
             save_s = timed(lambda save=save, target=target: save(target))
             if k >= 0 and path == "default":
                 out[path]["save_state_upstream_s"].append(_upstream_wall(acc, rank, "save_state", since))
