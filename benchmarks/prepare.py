@@ -24,6 +24,11 @@ raw ``dist.scatter`` of the same bytes (each rank's local shard size, from pre-t
 into fresh memory (what any load must fill) and into pre-touched memory (the transport alone): the limits
 on this machine, measured in the same process group.
 
+Each (setting, path) runs ``--launches`` times (2 by default), the paths interleaved launch by launch, so that a
+slow spell of the machine falls on every path alike: every time figure comes from a path's fastest launch (the
+least slowest-rank wall), so a stage and the raw scatter it is compared with are one launch's, and each rank's
+memory peaks are the highest of any launch (:func:`combine_launches`).
+
 Per rank: peak RSS and peak RssAnon over the process baseline (sampled every 2 ms, VmHWM cross-check),
 wall time of load + prepare, bytes received and sent through ``broadcast``/``scatter``/``isend``/``irecv``
 (counted by wrapping them). Per setting and plugin path, the issue-14 checks: the stage against the raw
@@ -289,6 +294,34 @@ def _dcp_load(rank: int, ckpt: str, dtype, fsdp_plugin, mp_name: str):
     return model
 
 
+#: Per-rank figures that are memory peaks: over several launches, the highest of any launch is kept.
+MEMORY_KEYS = ("rss_peak_mib", "anon_peak_mib", "hwm_mib")
+
+
+def combine_launches(launches: list[list[dict]]) -> list[dict]:
+    """The per-rank figures of one path over several launches: every time (the walls, ``rank0_distribute``, the raw
+    scatters measured after it) from the fastest launch, the one whose slowest rank's wall is the least, so each
+    ratio compares two figures of one launch; each rank's memory peaks the highest of any launch (:data:`MEMORY_KEYS`).
+    ``launches`` counts them in each rank's figures.
+
+    Example:
+        >>> slow = [{"rank": 0, "wall_s": 3.0, "anon_peak_mib": 10.0, "rss_peak_mib": 1.0, "hwm_mib": 1.0}]
+        >>> fast = [{"rank": 0, "wall_s": 2.0, "anon_peak_mib": 9.0, "rss_peak_mib": 2.0, "hwm_mib": 1.0}]
+        >>> r = combine_launches([slow, fast])[0]; r["wall_s"], r["anon_peak_mib"], r["rss_peak_mib"], r["launches"]
+        (2.0, 10.0, 2.0, 2)
+    """
+    if not launches or len({len(rs) for rs in launches}) != 1:
+        raise ValueError(f"launches of one path must have the same ranks (got {[len(rs) for rs in launches]} ranks)")
+    fastest = min(launches, key=lambda rs: max(r["wall_s"] for r in rs))
+    out = []
+    for i, r in enumerate(fastest):
+        r = {**r, "launches": len(launches)}
+        for key in MEMORY_KEYS:
+            r[key] = max(rs[i][key] for rs in launches)
+        out.append(r)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -348,11 +381,17 @@ def _checkpoint(cache: Path, size: str, setting: str) -> Path:
     return path
 
 
+def _launches_caption(n: int) -> str:
+    return "one launch per path" if n == 1 else (f"{n} launches per path, interleaved: times from the fastest, "
+                                                  "memory peaks the highest of any")
+
+
 def _markdown(doc: dict) -> str:
     lines = [
         f"\n<!-- table: prepare-{doc['model_size']}-{doc['world_size']}ranks -->\n",
         f"prepare, Llama `{doc['model_size']}`, {doc['world_size']} gloo ranks, auto_wrap_policy={doc['wrap_policy']}, "
-        f"bucket_bytes={doc['bucket_mib']:.0f} MiB, default plugin options otherwise ({doc['timestamp']}):\n",
+        f"bucket_bytes={doc['bucket_mib']:.0f} MiB, default plugin options otherwise, "
+        f"{_launches_caption(doc.get('launches', 1))} ({doc['timestamp']}):\n",
         "| setting | P (MiB) | T (MiB) | path | rank | RSS peak (MiB) | RssAnon peak (MiB) | VmHWM (MiB) | received (MiB) | local shard (MiB) | wall (s) | anon bound (MiB) | within |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -409,7 +448,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--world-size", default="2,4", help="process counts, each measured in the same run (e.g. 2,4)")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--bucket-bytes", default="64MiB")
+    parser.add_argument("--launches", type=int, default=2,
+                        help="fresh launches per path and setting, interleaved across the paths: times from the fastest "
+                             "launch, memory peaks the highest of any (combine_launches)")
     args = parse_args(parser, argv, timeout=600)
+    if args.launches < 1:
+        parser.error(f"--launches must be at least 1 (got {args.launches})")
     from accelerate_memsafe.sizes import parse_size
 
     bucket = parse_size(args.bucket_bytes)
@@ -431,13 +475,17 @@ def _measure(args: argparse.Namespace, world: int, paths: list[str], bucket: int
     """Every path and setting at ``world`` ranks, in fresh processes; the figures and the acceptance checks."""
     doc: dict = {
         "benchmark": "prepare", "model_size": args.model_size, "world_size": world, "paths": paths,
-        "wrap_policy": WRAP_POLICY, "bucket_mib": bucket / MIB,
+        "wrap_policy": WRAP_POLICY, "bucket_mib": bucket / MIB, "launches": args.launches,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": "python benchmarks/prepare.py " + " ".join(argv if argv is not None else sys.argv[1:]), "settings": [],
     }
     for setting in [s for s in args.dtype.split(",") if s]:
         ckpt = _checkpoint(cache, args.model_size, setting)
-        runs = {p: _launch(world, p, setting, str(ckpt), bucket, args.timeout) for p in paths}
+        launches: dict[str, list[list[dict]]] = {p: [] for p in paths}
+        for _ in range(args.launches):  # interleaved: a slow spell of the machine falls on every path alike
+            for p in paths:
+                launches[p].append(_launch(world, p, setting, str(ckpt), bucket, args.timeout))
+        runs = {p: combine_launches(ls) for p, ls in launches.items()}
         shapes = next(iter(runs.values()))[0]["shapes"]
         sizes = []
         for shape, itemsize in shapes.values():

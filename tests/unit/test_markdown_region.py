@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "markdown_region.py"
-_spec = importlib.util.spec_from_file_location("markdown_region", _PATH)
-markdown_region = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(markdown_region)
+from .bench import load_benchmark
+
+markdown_region = load_benchmark("markdown_region")
 
 
 def _region(rid: str, body: str) -> str:

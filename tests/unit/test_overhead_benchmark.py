@@ -3,25 +3,9 @@ own time per launch (the slowest rank's wall less the most stock-equivalent work
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from .bench import load_benchmark
 
-_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load():
-    sys.path.insert(0, str(_DIR))  # overhead.py imports its siblings
-    try:
-        spec = importlib.util.spec_from_file_location("overhead_bench", _DIR / "overhead.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(_DIR))
-
-
-overhead = _load()
+overhead = load_benchmark("overhead")
 
 
 def test_the_interval_holds_the_ratio_of_medians_and_narrows_with_steadier_walls():
