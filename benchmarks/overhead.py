@@ -71,15 +71,18 @@ PATHS = ("stock", "default", "sync_commit", "tracker", "tracker_sync")
 SETTINGS = {"1proc": (1, None), "fsdp2_2ranks": (2, None), "fsdp2_tw_2ranks": (2, "transformer_based_wrap")}
 
 
-def _accelerator(path: str, world: int, wrap: str | None = None):
+def _accelerator(path: str, world: int, wrap: str | None = None, device: str = "cpu"):
+    """The accelerator of ``path``; on one process, on ``device`` (``cpu`` also where an accelerator is there:
+    ``cpu=True``), the FSDP2 settings on CPU gloo ranks."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=wrap) if world > 1 else None
+    one_process = {"cpu": device == "cpu"} if fsdp_plugin is None else {}
     if path == "stock":
         import accelerate
 
         if fsdp_plugin is None:
-            return accelerate.Accelerator()
+            return accelerate.Accelerator(**one_process)
         from accelerate_memsafe import _compat
 
         acc = accelerate.Accelerator(cpu=True, fsdp_plugin=fsdp_plugin)
@@ -89,7 +92,15 @@ def _accelerator(path: str, world: int, wrap: str | None = None):
 
     options = {"sync_commit": {"async_checkpoint": False}, "tracker": {"track_live_tensors": True},
                "tracker_sync": {"track_live_tensors": True, "async_checkpoint": False}}.get(path, {})
-    return Accelerator(plugins=[MemSafePlugin(**options)], fsdp_plugin=fsdp_plugin)
+    return Accelerator(plugins=[MemSafePlugin(**options)], fsdp_plugin=fsdp_plugin, **one_process)
+
+
+def _sync_device(acc) -> None:
+    """Waits for the accelerator's queued work (CUDA runs asynchronously): a timed call starts and ends with none."""
+    import torch
+
+    if acc.device.type == "cuda":
+        torch.cuda.synchronize(acc.device)
 
 
 def _model_and_optimizer(size: str, ckpt: str | None):
@@ -108,20 +119,20 @@ def _train_step(acc, model, opt) -> None:
     """One training step on a fixed batch, so that the optimizer has state to save."""
     import torch
 
-    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1)).to(acc.device)
     acc.backward(model(input_ids=ids, labels=ids).loss)
     opt.step()
     opt.zero_grad()
 
 
 def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None = None,
-         wrap: str | None = None) -> dict:
+         wrap: str | None = None, device: str = "cpu") -> dict:
     import torch
     import torch.distributed as dist
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    acc = _accelerator(path, world, wrap)
+    acc = _accelerator(path, world, wrap, device)
     sync = acc.wait_for_everyone
 
     cpu: dict[str, list[float]] = {"prepare_s": [], "save_state_s": [], "load_state_s": []}
@@ -129,9 +140,11 @@ def _run(rank: int, world: int, path: str, size: str, repeats: int, work: str, c
     span: list[float] = []
 
     def timed(fn, hook):
+        _sync_device(acc)
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
         out = fn()
+        _sync_device(acc)
         t1 = time.perf_counter()
         cpu[hook].append(time.process_time() - c0)  # every thread of the process: the sampler's too
         span[:] = [t0, t1]
@@ -250,7 +263,7 @@ def _upstream_wall(acc, rank: int, hook: str, since: int) -> float | None:
 
 
 def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt: str | None,
-                wrap: str | None = None) -> dict:
+                wrap: str | None = None, device: str = "cpu") -> dict:
     """One launch of ``--paired``: with the plugin's accelerator, rounds of ``prepare`` of a new model by each path
     (stock: accelerate's own ``Accelerator.prepare``), then the plugin prepares the model that is saved and loaded;
     after one uncounted round of both paths, each round saves and loads with both. Stock goes first in even
@@ -263,7 +276,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    acc = _accelerator("default", world, wrap)
+    acc = _accelerator("default", world, wrap, device)
     prepares = {"stock": lambda *objs: accelerate.Accelerator.prepare(acc, *objs), "default": acc.prepare}
     out = {path: {"prepare_s": [], "prepare_span": [], "save_state_s": [], "load_state_s": [], "commit_tail_s": []}
            for path in prepares}
@@ -273,9 +286,11 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
 
     def timed(fn) -> float:
         gc.collect()  # no path pays a collection that the other's garbage made due
+        _sync_device(acc)
         acc.wait_for_everyone()
         t0 = time.perf_counter()
         fn()
+        _sync_device(acc)
         t1 = time.perf_counter()
         span[:] = [t0, t1]
         return t1 - t0
@@ -323,7 +338,7 @@ def _run_paired(rank: int, world: int, size: str, repeats: int, work: str, ckpt:
 
 
 def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int, work: str, ckpt: str | None,
-            wrap: str | None, queue) -> None:
+            wrap: str | None, device: str, queue) -> None:
     """One rank of a launch; ``path="paired"`` runs :func:`_run_paired`."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -331,17 +346,18 @@ def _worker(rank: int, port: int, world: int, path: str, size: str, repeats: int
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             os.environ.pop(key)
     try:
-        run = _run_paired(rank, world, size, repeats, work, ckpt, wrap) if path == "paired" else \
-            _run(rank, world, path, size, repeats, work, ckpt, wrap)
+        run = _run_paired(rank, world, size, repeats, work, ckpt, wrap, device) if path == "paired" else \
+            _run(rank, world, path, size, repeats, work, ckpt, wrap, device)
         queue.put((rank, "ok", run))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wrap: str | None = None) -> dict:
+def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wrap: str | None = None,
+            device: str = "cpu") -> dict:
     """One launch: per hook, the slowest rank's wall in each round, then the best round."""
     with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
-        ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap), 1800, f"{path}/{world}/{wrap}")
+        ranks = spawn(_worker, world, (world, path, size, repeats, work, ckpt, wrap, device), 1800, f"{path}/{world}/{wrap}")
     spans = [r.get("prepare_span") for r in ranks]
     # from the last rank's call to the last rank's return, on both paths alike (see the top of this file)
     out = {"prepare_s": _last_call_to_last_return(spans) if all(spans) else max(r["prepare_s"] for r in ranks)}
@@ -363,7 +379,7 @@ def _launch(world: int, path: str, size: str, repeats: int, ckpt: str | None, wr
 
 
 def measure(size: str, paths: list[str], settings: list[str], launches: int, repeats: int, log=print,
-            load: str = "checkpoint") -> dict:
+            load: str = "checkpoint", device: str = "cpu") -> dict:
     ckpt = _checkpoint_of(size, load)  # a random-init Llama saved with save_pretrained
     runs: dict[str, dict[str, dict]] = {s: {p: {} for p in paths} for s in settings}
     prepares: dict[str, dict[str, list[float]]] = {s: {p: [] for p in paths} for s in settings}
@@ -374,7 +390,7 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
         for setting in settings:
             world, wrap = SETTINGS[setting]
             for path in paths:
-                got = _launch(world, path, size, repeats, ckpt, wrap)
+                got = _launch(world, path, size, repeats, ckpt, wrap, device)
                 best = runs[setting][path]
                 prepares[setting][path].append(got["prepare_s"])
                 if "prepare_own_s" in got:
@@ -405,7 +421,8 @@ def measure(size: str, paths: list[str], settings: list[str], launches: int, rep
             if owns_gc[s][p] and gcs[s]["stock"]:
                 runs[s][p]["prepare_own_gc_both_sides_median_s"] = own_with_collections_on_both_sides(
                     owns_gc[s][p], gcs[s]["stock"])
-    return {"benchmark": "overhead", "size": size, "load": load, "launches": launches, "repeats": repeats, "runs": runs,
+    return {"benchmark": "overhead", "size": size, "load": load, "device": device, "launches": launches,
+            "repeats": repeats, "runs": runs,
             "ratios": ratios, "added_s": added,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
@@ -496,7 +513,7 @@ def _round_own(ranks: list[dict], hook: str, k: int) -> float | None:
 
 
 def measure_paired(size: str, settings: list[str], launches: int, repeats: int, log=print,
-                   load: str = "checkpoint") -> dict:
+                   load: str = "checkpoint", device: str = "cpu") -> dict:
     """``--paired``: per setting, every round's wall of each path (:func:`_round_wall`); the best and the median over all
     rounds of all launches, and the median over rounds of the plugin's wall over stock's in the same round."""
     import statistics
@@ -510,7 +527,8 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
         owns: dict[str, list[float]] = {h: [] for h in HOOKS}
         for i in range(launches):
             with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
-                ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt, wrap), 1800, f"paired/{world}")
+                ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt, wrap, device), 1800,
+                              f"paired/{world}")
             for path, by_hook in rounds.items():
                 for hook, values in by_hook.items():
                     values.extend(_round_wall(ranks, path, hook, k) for k in range(repeats))
@@ -530,16 +548,33 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
             if owns[hook]:
                 row[f"default_{hook}_own_median"] = statistics.median(owns[hook])
         rows[setting] = {"rounds": rounds, "own": owns, **row}
-    return {"benchmark": "overhead-paired", "size": size, "load": load, "launches": launches, "repeats": repeats,
+    return {"benchmark": "overhead-paired", "size": size, "load": load, "device": device, "launches": launches,
+            "repeats": repeats,
             "settings": rows, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def _table_id(prefix: str, doc: dict) -> str:
+    """The table's region: ``overhead-100m`` on the CPU, ``overhead-100m-cuda`` on a GPU (neither replaces the other).
+
+    Example:
+        >>> _table_id("overhead", {"size": "100m"}), _table_id("overhead-paired", {"size": "100m", "device": "cuda"})
+        ('overhead-100m', 'overhead-paired-100m-cuda')
+    """
+    device = doc.get("device", "cpu")
+    return f"{prefix}-{doc['size']}" + ("" if device == "cpu" else f"-{device}")
+
+
+def _on_device(doc: dict) -> str:
+    device = doc.get("device", "cpu")
+    return "" if device == "cpu" else f" on `{device}` (one process, the model moved there by `prepare`)"
 
 
 def markdown_paired(doc: dict) -> str:
     """The ``--paired`` table, between ``<!-- table: overhead-paired-<size> -->`` markers."""
-    lines = [f"\n<!-- table: overhead-paired-{doc['size']} -->",
+    lines = [f"\n<!-- table: {_table_id('overhead-paired', doc)} -->",
              f"`prepare` (a new model each time), `save_state` and `load_state` (of one prepared model) of stock "
              f"accelerate and of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + "
-             f"AdamW, {doc['launches']} launches x "
+             f"AdamW{_on_device(doc)}, {doc['launches']} launches x "
              f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
              f"timed call ({doc['timestamp']}); a wall is the slowest rank's, but `prepare`'s runs from the last rank's call to the last rank's return; the median ratio is the median over rounds of the plugin's wall over stock's in the same round. The plugin's own time is its wall less the work stock does too, measured inside the same call (`prepare`: accelerate's own call, its FSDP2 wrapping and the release of the unsharded weights, the most of any rank; `save_state`: the most any rank spent outside accelerate's own call; the collections that fall due when the plugin switches the collector back on count in it; none for `load_state`, where a stage does part of accelerate's work in its place):\n",
              "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
@@ -559,8 +594,8 @@ def markdown_paired(doc: dict) -> str:
 
 def markdown(doc: dict) -> str:
     """The two tables (wall, then CPU seconds), between ``<!-- table: overhead-<size> -->`` markers."""
-    lines = [f"\n<!-- table: overhead-{doc['size']} -->",
-             f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW "
+    lines = [f"\n<!-- table: {_table_id('overhead', doc)} -->",
+             f"Overhead of the plugin on the hooks a training loop waits for, Llama `{doc['size']}` fp32 + AdamW{_on_device(doc)} "
              f"({'loaded from its checkpoint by transformers on every rank' if doc.get('load') == 'checkpoint' else 'the same random weights built on every rank'}), best "
              f"of {doc['launches']} launches x {doc['repeats']} rounds ({doc['timestamp']}); a ratio is the path's figure "
              "over stock's in the same setting; a wall is the slowest rank's, but `prepare`'s is from the last rank's call to "
@@ -617,6 +652,36 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n<!-- /table -->\n"
 
 
+def device_problem(device: str, settings: list[str], *, cuda_available: bool | None = None,
+                   accelerator_available: bool | None = None) -> str | None:
+    """Why ``--device`` cannot run ``settings`` here (``None``: it can). The FSDP2 settings are CPU gloo ranks, which the
+    plugin sets up only on a machine without an accelerator (two ranks cannot share one GPU under NCCL); ``cuda`` needs
+    a CUDA device.
+
+    Example:
+        >>> device_problem("cuda", ["1proc"], cuda_available=True, accelerator_available=True) is None
+        True
+        >>> device_problem("cuda", ["1proc", "fsdp2_2ranks"], cuda_available=True, accelerator_available=True)
+        '--device cuda measures the one-process setting only (drop fsdp2_2ranks: --settings 1proc)'
+    """
+    import torch
+
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if accelerator_available is None:  # what accelerate_memsafe.Accelerator asks before it sets up CPU FSDP2
+        accelerator_available = torch.accelerator.is_available() if hasattr(torch, "accelerator") else cuda_available
+    multi = [s for s in settings if SETTINGS[s][0] > 1]
+    if device == "cuda":
+        if multi:
+            return f"--device cuda measures the one-process setting only (drop {', '.join(multi)}: --settings 1proc)"
+        if not cuda_available:
+            return "--device cuda: torch sees no CUDA device here"
+    elif multi and accelerator_available:
+        return (f"the FSDP2 settings ({', '.join(multi)}) run on CPU gloo ranks, which the plugin sets up only on a "
+                "machine without an accelerator: here use --settings 1proc")
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="100m")
@@ -630,17 +695,24 @@ def main(argv: list[str] | None = None) -> dict:
                         help="save_state / load_state of stock and the plugin alternated in the same processes")
     parser.add_argument("--load", default="checkpoint", choices=("checkpoint", "config"),
                         help="the model: from_pretrained of a saved checkpoint on every rank, or built from the config")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where one process trains (cpu: also where a GPU is there); cuda: the 1proc setting only, "
+                             "its tables get their own regions (overhead-<size>-cuda)")
     args = parser.parse_args(argv)
     paths = [p for p in args.paths.split(",") if p]
     settings = [s for s in args.settings.split(",") if s]
     unknown = [p for p in paths if p not in PATHS] + [s for s in settings if s not in SETTINGS]
     if unknown or "stock" not in paths:
         parser.error(f"unknown path/setting {unknown}, or no `stock` path to compare with")
+    problem = device_problem(args.device, settings)
+    if problem:
+        parser.error(problem)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.paired:
-        doc = measure_paired(args.size, settings, args.launches, args.repeats, log=log, load=args.load)
+        doc = measure_paired(args.size, settings, args.launches, args.repeats, log=log, load=args.load, device=args.device)
     else:
-        doc = measure(args.size, paths, settings, args.launches, args.repeats, log=log, load=args.load)
+        doc = measure(args.size, paths, settings, args.launches, args.repeats, log=log, load=args.load,
+                      device=args.device)
     print(json.dumps(doc))
     if args.markdown:
         log(f"{args.markdown}: " + ", ".join(write_tables(args.markdown, markdown_paired(doc) if args.paired else markdown(doc))))

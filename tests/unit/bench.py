@@ -16,6 +16,7 @@ def load_benchmark(script: str):
     try:
         spec = importlib.util.spec_from_file_location(f"{script}_bench", DIR / f"{script}.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # where a dataclass of the script looks its module up
         spec.loader.exec_module(module)
         return module
     finally:

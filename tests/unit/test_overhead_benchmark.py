@@ -146,3 +146,26 @@ def test_the_stock_work_of_one_call_counts_only_that_calls_records():
     assert overhead._stock_work(acc, 0, since=1) == 0.002
     assert overhead._upstream_wall(acc, 0, "save_state", 0) == 0.7
     assert overhead._upstream_wall(acc, 0, "save_state", 1) is None
+
+
+def test_the_device_option_refuses_what_it_cannot_measure_before_any_launch():
+    # a GPU: one process on it; the FSDP2 settings are CPU gloo ranks, which the plugin sets up only without one
+    assert overhead.device_problem("cuda", ["1proc"], cuda_available=True, accelerator_available=True) is None
+    assert "drop fsdp2_2ranks, fsdp2_tw_2ranks" in overhead.device_problem(
+        "cuda", ["1proc", "fsdp2_2ranks", "fsdp2_tw_2ranks"], cuda_available=True, accelerator_available=True)
+    assert "no CUDA device" in overhead.device_problem("cuda", ["1proc"], cuda_available=False,
+                                                       accelerator_available=False)
+    assert "machine without an accelerator" in overhead.device_problem(
+        "cpu", ["1proc", "fsdp2_2ranks"], cuda_available=True, accelerator_available=True)
+    # the CPU everywhere where there is no GPU (this project's machines)
+    assert overhead.device_problem("cpu", list(overhead.SETTINGS), cuda_available=False,
+                                   accelerator_available=False) is None
+    assert overhead.device_problem("cpu", ["1proc"], cuda_available=True, accelerator_available=True) is None
+
+
+def test_a_cuda_run_writes_its_own_regions_beside_the_cpu_ones():
+    doc = {"size": "100m", "device": "cuda", "launches": 1, "repeats": 1, "timestamp": "t", "settings": {}}
+    assert "<!-- table: overhead-paired-100m-cuda -->" in overhead.markdown_paired(doc)
+    assert "on `cuda`" in overhead.markdown_paired(doc)
+    cpu = overhead.markdown_paired({**doc, "device": "cpu"})
+    assert "<!-- table: overhead-paired-100m -->" in cpu and "cuda" not in cpu
