@@ -25,6 +25,10 @@ the plugin runs. Optional extra paths (``--paths``): ``sync_commit`` (``async_ch
 swap inside ``save_state``), ``tracker`` (``track_live_tensors=True``) and ``tracker_sync`` (both: the settings of the
 previous default).
 
+``--device cpu`` (the default) keeps the one process on the CPU also where a GPU is there; ``--device cuda`` runs the
+one-process setting with the model moved to the GPU by ``prepare``, each timed call between two device
+synchronizations, into tables of their own (``overhead-<size>-cuda``). The FSDP2 settings are CPU gloo ranks only.
+
 Prints one JSON line; ``--markdown FILE`` appends a table with the ratios to stock and the wall added per hook.
 
 ``--paired``: ``prepare`` (a new model each round), then ``save_state`` and ``load_state`` (of one prepared model)
@@ -43,6 +47,7 @@ with the other's collections.
     python benchmarks/overhead.py --size 100m --launches 3 --repeats 3 --paths stock,default,sync_commit,tracker_sync \
         --markdown /tmp/overhead.md
     python benchmarks/overhead.py --size 1g --paired --launches 2 --repeats 4 --settings fsdp2_2ranks
+    python benchmarks/overhead.py --device cuda --settings 1proc --launches 3 --repeats 2   # on a GPU
 """
 
 from __future__ import annotations
