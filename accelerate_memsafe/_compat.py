@@ -279,7 +279,7 @@ def reverse_conversion_key(model: torch.nn.Module):
     Returns:
         ``key(name) -> str | None``.
     """
-    from transformers.core_model_loading import PrefixChange, WeightConverter, apply_converters
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
     check_transformers_version()
     conversions = getattr(model, "_weight_conversions", None)
@@ -290,14 +290,30 @@ def reverse_conversion_key(model: torch.nn.Module):
         conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     converters = [c for c in reverse if isinstance(c, WeightConverter)]
+    renamings = [c for c in reverse if isinstance(c, WeightRenaming)]
+    rename = _reverse_converter_rename()
 
     def key(name: str) -> str | None:
         if not converters:
             return None
-        renamed, pattern = apply_converters(name, converters)
+        renamed, pattern = rename(name, renamings, converters)
         return renamed if pattern is not None else None
 
     return key
+
+
+def _reverse_converter_rename(cml: Any = None):
+    """``(name, renamings, converters) -> (renamed, source pattern or None)``: the key under which the installed
+    transformers' ``revert_weight_conversion`` groups a name with the others its reverse converter takes (``cml``: its
+    ``core_model_loading``). Where it has ``apply_converters`` (5.24), the name after at most one converter; before
+    (5.17), the name after that converter and then every renaming (``rename_source_key(..., reverse=True)``). The
+    shard plan checks either against ``revert_weight_conversion`` itself before anything is written."""
+    if cml is None:
+        from transformers import core_model_loading as cml
+
+    if hasattr(cml, "apply_converters"):
+        return lambda name, renamings, converters: cml.apply_converters(name, converters)
+    return lambda name, renamings, converters: cml.rename_source_key(name, renamings, converters, reverse=True)
 
 
 def revert_conversions(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -35,7 +35,10 @@ MODELS = {
 def build_model(model_type: str, seed: int = 0):
     """A tiny randomly initialised transformers model of ``model_type`` (built from a config)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if model_type not in CONFIG_MAPPING:  # gte came with transformers 5.2x
+        pytest.skip(f"this transformers has no `{model_type}` model")
     kwargs, _ = MODELS[model_type]
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
