@@ -305,8 +305,8 @@ def reverse_conversion_key(model: torch.nn.Module):
 def _reverse_converter_rename(cml: Any = None):
     """``(name, renamings, converters) -> (renamed, source pattern or None)``: the key under which the installed
     transformers' ``revert_weight_conversion`` groups a name with the others its reverse converter takes (``cml``: its
-    ``core_model_loading``). Where it has ``apply_converters`` (5.24), the name after at most one converter; before
-    (5.17), the name after that converter and then every renaming (``rename_source_key(..., reverse=True)``). The
+    ``core_model_loading``). Where it has ``apply_converters`` (5.21 on), the name after at most one converter; before
+    (5.17-5.20), the name after that converter and then every renaming (``rename_source_key(..., reverse=True)``). The
     shard plan checks either against ``revert_weight_conversion`` itself before anything is written."""
     if cml is None:
         from transformers import core_model_loading as cml

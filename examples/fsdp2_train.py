@@ -44,7 +44,10 @@ def make_data(args: argparse.Namespace, vocab: int) -> TensorDataset:
     return TensorDataset(ids)
 
 
-def load_model(args: argparse.Namespace, workdir: Path):
+def load_model(args: argparse.Namespace, workdir: Path, *, as_one_process: bool = False):
+    """The model as the script loads it on every rank, or (``as_one_process``) with the checkpoint's weights on every
+    rank: under accelerate's FSDP efficient-loading variables transformers 5.17 loads them on local rank 0 only and
+    leaves zeros elsewhere, for ``prepare`` to fill (5.24 loads every rank)."""
     from transformers import AutoModelForCausalLM
 
     from accelerate_memsafe.models import save_llama
@@ -52,7 +55,12 @@ def load_model(args: argparse.Namespace, workdir: Path):
     model_dir = Path(args.model_dir) if args.model_dir else workdir / "model"
     if not args.model_dir and not (model_dir / "config.json").exists():
         save_llama(model_dir, args.size)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hidden = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING") if as_one_process else ()
+    saved = {k: os.environ.pop(k) for k in hidden if k in os.environ}
+    try:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    finally:
+        os.environ.update(saved)
 
 
 def reference(args: argparse.Namespace, workdir: Path) -> dict:
@@ -113,7 +121,7 @@ def distributed(args: argparse.Namespace, workdir: Path) -> dict:
 
     world = accelerator.num_processes
     sharding = []
-    loaded = load_model(args, workdir).state_dict()  # what a single process holds: every rank must end with it
+    loaded = load_model(args, workdir, as_one_process=True).state_dict()  # what a single process holds: every rank must end with it
     differs = []
     for name, p in model.named_parameters():
         full = p.numel()

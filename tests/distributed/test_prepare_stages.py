@@ -62,11 +62,12 @@ def test_prepare_matches_unsharded_reference(tiny_llama_dir, loader, source):
         assert abs(res["loss"] - ref_loss) <= 1e-6, f"rank {rank}: loss {res['loss']} vs reference {ref_loss}"
         assert res["opt_ok"], "optimizer must hold the sharded parameters"
         status = _stage_status(res, rank)
-        in_place = loader == "hf" and source == "auto"  # every rank maps the same unmodified checkpoint
+        # every rank maps the same unmodified checkpoint (transformers before 5.23 leaves zeros on rank 1: no)
+        in_place = loader == "hf" and source == "auto" and w.transformers_loads_every_rank()
         for stage in ("meta_placement", "shard", "rank0_distribute", "buffer_init"):
             want = "skipped" if in_place and stage == "rank0_distribute" else "ran"
             assert status[stage] == want, (stage, status)
-    if loader == "hf" and source == "auto":  # fully_shard kept each rank's own rows of the mapped checkpoint
+    if in_place:  # fully_shard kept each rank's own rows of the mapped checkpoint
         for rank, res in enumerate(results):
             placement = next(r for r in res["report"]["records"] if r["stage"] == "meta_placement" and r["rank"] == rank)
             assert placement["details"]["in_place"] is True

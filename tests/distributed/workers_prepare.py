@@ -9,6 +9,32 @@ from typing import Any
 import torch
 from torch import nn
 
+#: accelerate's variables under which transformers before 5.23 loads the weights on local rank 0 only and leaves zeros
+#: on the other ranks, for accelerate's FSDP prepare to broadcast (``transformers.modeling_utils``, ``is_fsdp_enabled``)
+_FSDP_EFFICIENT_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
+
+
+def transformers_loads_every_rank() -> bool:
+    """Whether transformers' ``from_pretrained`` gives every rank the checkpoint's weights under accelerate's FSDP
+    efficient-loading variables (5.23 on). Before, ranks > 0 get zeros for ``prepare`` to fill: no rank but 0 holds
+    views of the mapped file, so the plugin cannot keep the weights in place and sends rank 0's instead."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.23")
+
+
+def single_process_load(auto, model_dir: str, **kwargs):
+    """``auto.from_pretrained(model_dir)`` as one process loads it: the file's weights on every rank, whatever
+    transformers does under accelerate's FSDP efficient-loading variables (before 5.23 it leaves zeros on ranks > 0),
+    so that a rank's result is compared with the checkpoint, not with what transformers left it."""
+    saved = {k: os.environ.pop(k) for k in _FSDP_EFFICIENT_LOADING_ENV if k in os.environ}
+    try:
+        return auto.from_pretrained(model_dir, **kwargs)
+    finally:
+        os.environ.update(saved)
+
+
 VOCAB = 67  # odd: FSDP2 pads rank 1's shard of the embedding and the head (uneven rows)
 
 
@@ -231,7 +257,7 @@ def prepare_llama(
     out["releases"] = releases
     out["gc_enabled_during_distribution"], out["gc_enabled_after"] = gc_during, gc.isenabled()
     if full:  # every rank ends with rank 0's (here: the file's) weights, whatever the mesh
-        reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        reference_model = single_process_load(AutoModelForCausalLM, model_dir, dtype=torch_dtype)
         with torch.no_grad():
             ids = batch(reference_model.config.vocab_size)
             out["single_process_loss"] = reference_model(input_ids=ids, labels=ids).loss.float().item()
