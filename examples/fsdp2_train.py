@@ -46,8 +46,8 @@ def make_data(args: argparse.Namespace, vocab: int) -> TensorDataset:
 
 def load_model(args: argparse.Namespace, workdir: Path, *, as_one_process: bool = False):
     """The model as the script loads it on every rank, or (``as_one_process``) with the checkpoint's weights on every
-    rank: under accelerate's FSDP efficient-loading variables transformers 5.17 loads them on local rank 0 only and
-    leaves zeros elsewhere, for ``prepare`` to fill (5.24 loads every rank)."""
+    rank: under accelerate's FSDP efficient-loading variables transformers before 5.23 loads them on local rank 0 only
+    and leaves zeros elsewhere, for ``prepare`` to fill."""
     from transformers import AutoModelForCausalLM
 
     from accelerate_memsafe.models import save_llama

@@ -37,7 +37,7 @@ def build_model(model_type: str, seed: int = 0):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if model_type not in CONFIG_MAPPING:  # gte came with transformers 5.2x
+    if model_type not in CONFIG_MAPPING:  # transformers 5.17 has no gte
         pytest.skip(f"this transformers has no `{model_type}` model")
     kwargs, _ = MODELS[model_type]
     config = AutoConfig.for_model(model_type, **kwargs)

@@ -77,7 +77,6 @@ def test_planned_file_bytes_bound_the_real_safetensors_file(tmp_path, dtype):
 
 def _meta_model(model_type: str):
     from transformers import AutoConfig, AutoModel
-
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
@@ -146,14 +145,12 @@ def test_transformers_still_groups_reverse_conversions_by_converter_target():
     # it, this test names the place (the plan's cross-check would also refuse to save).
     import inspect
 
-    from transformers.core_model_loading import revert_weight_conversion
-
     from transformers import core_model_loading
 
-    src = inspect.getsource(revert_weight_conversion)
-    if hasattr(core_model_loading, "apply_converters"):  # 5.24: the name after at most one converter
+    src = inspect.getsource(core_model_loading.revert_weight_conversion)
+    if hasattr(core_model_loading, "apply_converters"):  # 5.21 on: the name after at most one converter
         assert "apply_converters(original_key, converters)" in src
-    else:  # 5.17: that converter, then every renaming
+    else:  # before (5.17): that converter, then every renaming
         assert "rename_source_key(original_key, renamings, converters, reverse=True)" in src
     assert "conversion_mapping.setdefault(renamed_key, new_converter)" in src
 
@@ -165,6 +162,7 @@ def test_the_older_transformers_rule_groups_as_the_installed_one(monkeypatch):
     from types import SimpleNamespace
 
     from transformers import core_model_loading
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     calls = []
 
@@ -174,9 +172,7 @@ def test_the_older_transformers_rule_groups_as_the_installed_one(monkeypatch):
 
     older = SimpleNamespace(rename_source_key=rename_source_key)  # no apply_converters
     real = _compat._reverse_converter_rename
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    for model_type in [t for t in ("nomic_bert", "gte") if t in CONFIG_MAPPING]:  # gte: transformers 5.24
+    for model_type in [t for t in ("nomic_bert", "gte") if t in CONFIG_MAPPING]:  # transformers 5.17 has no gte
         model = _meta_model(model_type)
         installed = plan_offloaded_save(model, 2000)
         with monkeypatch.context() as m:
