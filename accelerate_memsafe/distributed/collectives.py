@@ -910,11 +910,27 @@ def _size_of(first: torch.Tensor) -> int:
 
 def _comm_device(group: Any) -> torch.device:
     """The device a collective's tensors must be on: the CPU when the group has gloo, else the accelerator
-    (NCCL and friends take device tensors only)."""
+    (NCCL and friends take device tensors only) where one is usable, else the CPU.
+
+    A group made without naming its backend has one per device type, and ``get_backend`` reports it as
+    ``"undefined"``; torch built with CUDA names CUDA its accelerator also on a machine without a GPU or driver,
+    where the group's collectives run on the CPU (gloo), as accelerate's own do.
+
+    Example:
+        >>> import unittest.mock as mock
+        >>> with mock.patch.object(dist, "get_backend", return_value="undefined"), \\
+        ...         mock.patch.object(torch.accelerator, "current_accelerator", return_value=torch.device("cuda")), \\
+        ...         mock.patch.object(torch.accelerator, "is_available", return_value=False):
+        ...     _comm_device(None)
+        device(type='cpu')
+    """
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend:
         return torch.device("cpu")
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
-    current = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return current or torch.device("cpu")
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    if current is None or not accelerator.is_available():
+        return torch.device("cpu")
+    return current

@@ -49,11 +49,23 @@ def test_fsdp_x_tp_2x2_through_accelerate_prepare_is_bitwise_a_single_process_lo
     placements = results[0]["placements"]
     assert placements["model.layers.0.self_attn.o_proj.weight"] == "(Shard(dim=0), Shard(dim=1))"  # rowwise
     assert placements["model.layers.0.mlp.up_proj.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"  # colwise
+    # a weight the TP plan split has two placements (dp_shard, tp), the second not Replicate(); the others are FSDP's only
+    tp_split = {n.rsplit(".", 1)[0] for n, p in placements.items() if "), " in p and not p.endswith("Replicate())")}
+    layers = {n.split(".")[2] for n in placements if n.startswith("model.layers.")}
+    linears = {f"model.layers.{i}.{m}" for i in layers
+               for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert linears <= tp_split, sorted(linears - tp_split)
+    # 2 ranks along each mesh dimension: a weight is cut in 2 per dimension it is sharded along
+    own = sum(4 * _numel(results[0]["full_shapes"][n]) / 2 ** p.count("Shard(") for n, p in placements.items())
+    assert total / 4 <= own < total / 2
     for rank, res in enumerate(results):
         assert res["differs_from_single_process"] == [], f"rank {rank}"
         ran = {r["stage"]: r for r in res["report"]["records"] if r["rank"] == rank and r["hook"] == "prepare"}
         assert all(ran[s]["status"] == "ran" for s in ("meta_placement", "shard", "rank0_distribute", "buffer_init"))
-        assert ran["shard"]["details"]["tp_size"] == 2 and ran["shard"]["details"]["tp_modules"] == 30
+        # the modules the report counts are the ones whose weight the TP plan split over the `tp` dimension (how many
+        # depends on transformers' plan for Llama: 30 in 5.24, 29 in 5.17), and every decoder linear is among them
+        assert ran["shard"]["details"]["tp_size"] == 2 and ran["shard"]["details"]["tp_modules"] == len(tp_split)
         # the TP forward (all-reduces in another order) computes the single-process loss
         assert abs(res["loss"] - res["single_process_loss"]) <= 1e-5, (res["loss"], res["single_process_loss"])
         if rank:
@@ -62,8 +74,9 @@ def test_fsdp_x_tp_2x2_through_accelerate_prepare_is_bitwise_a_single_process_lo
             weights = [a for a in res["allocs"] if a[1] in full and a[2] == 4 * _numel(a[1])]
             assert weights == [], f"rank {rank} allocated a full-size parameter"
             received = ran["rank0_distribute"]["details"]["bytes_received"]
-            # its quarter of the norms-free weights, half of each norm (FSDP only): about P / 4, never more
-            assert total / 4 * 0.95 <= received <= total / 4 * 1.05 + 16 * 1024, (received, total)
+            # its block of each weight: a quarter of those split over both dimensions, half of those FSDP splits only
+            # (the norms; and the embedding where transformers' plan leaves it out, as 5.17's does), up to uneven rows
+            assert own * 0.95 <= received <= own * 1.05 + 16 * 1024, (received, own, total)
     assert len({res["loss"] for res in results}) == 1
 
 

@@ -80,6 +80,18 @@ def reference_run(rank: int, world_size: int, *, outs: dict[str, str], offload: 
     return {"losses": losses, "batches": batches, "state_on_cpu": state_on_cpu}
 
 
+def _inside_barrier() -> bool:
+    """Whether the caller runs inside ``torch.distributed.barrier`` (accelerate's ``wait_for_everyone``)."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "barrier" and frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def resumed_run(rank: int, world_size: int, *, out: str, sdt: str, offload: bool, shuffle: bool, m: int,
                 stock: bool = False, pre_step: bool = False, expect_refusal: bool = False) -> dict[str, Any]:
     """Fresh process group: load the checkpoint (into an optimizer that already has state when
@@ -115,7 +127,14 @@ def resumed_run(rank: int, world_size: int, *, out: str, sdt: str, offload: bool
     from accelerate_memsafe.memory.tracker import LiveTensorTracker
 
     refs = []
-    with LiveTensorTracker(on_alloc=lambda name, t: refs.append(weakref.ref(t))):
+
+    def loaded(name, t):
+        # torch 2.11's gloo barrier keeps every barrier's 1-byte tensor alive (with or without the plugin): not loaded
+        # state; torch 2.13's frees it
+        if not _inside_barrier():
+            refs.append(weakref.ref(t))
+
+    with LiveTensorTracker(on_alloc=loaded):
         acc.load_state(out)
     gc.collect()
     allowed = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}

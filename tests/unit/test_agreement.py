@@ -245,3 +245,23 @@ def test_a_rank_failing_before_the_exchange_wakes_the_ranks_waiting_in_it_and_a_
 
     out = _on_ranks(stores, late)
     assert isinstance(out[0], CollectiveTimeoutError) and "rank(s) [1] never reached it" in str(out[0]), out
+
+
+@pytest.mark.parametrize(("backend", "accelerator", "available", "expected"), [
+    ("gloo", "cuda", True, "cpu"),
+    ("cpu:gloo,cuda:nccl", "cuda", True, "cpu"),
+    # a group with a backend per device type reports "undefined": a CUDA build of torch on a machine without a GPU
+    # names CUDA its accelerator, and the collectives must stay on the CPU (torch 2.11's CUDA wheel on a CPU host)
+    ("undefined", "cuda", False, "cpu"),
+    ("undefined", None, False, "cpu"),
+    ("undefined", "cuda", True, "cuda"),
+])
+def test_collectives_run_on_the_accelerator_only_where_one_is_usable(monkeypatch, backend, accelerator, available,
+                                                                    expected):
+    import torch
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda check_available=False: torch.device(accelerator) if accelerator else None)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: available)
+    assert collectives._comm_device(None).type == expected

@@ -256,3 +256,25 @@ def test_debug_shows_the_traceback_and_an_unexpected_error_is_one_line(capsys, t
     assert code == 1 and err.strip() == ("accelerate-memsafe env: error: unexpected RuntimeError: boom. This is a bug: run "
                                          "again with `accelerate-memsafe --debug ...` and report the traceback.")
 
+
+
+def test_a_demo_rank_leaves_without_teardown_only_after_its_work_succeeded(monkeypatch, tmp_path):
+    """torch 2.11 aborts about one demo run in 60 at interpreter teardown (a gloo worker thread freeing tensors):
+    a rank whose work succeeded leaves with ``os._exit(0)`` after flushing; one whose work raised does not."""
+    from accelerate_memsafe.cli import demo
+
+    exits, flushed = [], []
+    monkeypatch.setattr(demo.os, "_exit", exits.append)
+    monkeypatch.setattr(sys, "argv", ["demo", "--worker", "--workdir", str(tmp_path)])
+    monkeypatch.setattr(sys.stdout, "flush", lambda: flushed.append("out"))
+    monkeypatch.setattr(demo, "_worker", lambda workdir, steps: None)
+    demo._worker_main()
+    assert exits == [0] and "out" in flushed
+
+    def fails(workdir, steps):
+        raise RuntimeError("rank 1 failed")
+
+    monkeypatch.setattr(demo, "_worker", fails)
+    with pytest.raises(RuntimeError, match="rank 1 failed"):
+        demo._worker_main()
+    assert exits == [0]
