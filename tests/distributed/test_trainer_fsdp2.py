@@ -16,18 +16,6 @@ from tests.spawn import run_on_ranks
 PREPARE_STAGES = ("meta_placement", "shard", "rank0_distribute", "buffer_init")
 
 
-def _cpu_first_reload() -> bool:
-    """Whether the Trainer integration reloads adapters CPU-first here: with peft / transformers versions it was not
-    tested with (transformers 5.17 in the GPU machines' image) it falls back to the Trainer's own loading by design."""
-    import warnings
-
-    from accelerate_memsafe import _compat
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _compat.check_trainer_peft_versions()
-
-
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory):
     from accelerate_memsafe.models import save_llama
@@ -71,7 +59,7 @@ def test_training_checkpoints_best_model_and_resume_match_the_stock_trainer(suit
         assert any(not torch.equal(mine["adapter"][k], v) for k, v in mine["saved"][4].items()), "so the check can fail"
         if name == "trainer":  # FULL_STATE_DICT: peft's adapter files, reloaded CPU-first per shard
             assert mine["state_dict_type"] == "FULL_STATE_DICT"
-            assert [s for s, _ in mine["reloads"]] == (["peft_cpu_reload"] if _cpu_first_reload() else [])
+            assert [s for s, _ in mine["reloads"]] == (["peft_cpu_reload"] if w.cpu_first_versions() else [])
         else:  # accelerate launch's SHARDED_STATE_DICT: DCP folders (no adapter file), loaded by the Trainer
             assert mine["state_dict_type"] == "SHARDED_STATE_DICT" and mine["reloads"] == []
         assert mine["recorded_best"] == mine["best"]  # written by the save of step 2 itself, through the link
@@ -90,7 +78,7 @@ def test_training_checkpoints_best_model_and_resume_match_the_stock_trainer(suit
         assert resumed["best"] == str(out / f"{name}-moved" / "checkpoint-2")
         assert all(torch.equal(resumed["adapter"][k], v) for k, v in mine["adapter"].items())
         expected = ["optimizer_cpu_reload"]
-        if name == "trainer" and _cpu_first_reload():
+        if name == "trainer" and w.cpu_first_versions():
             expected = ["peft_cpu_reload", "optimizer_cpu_reload", "peft_cpu_reload"]
         assert [s for s, _ in resumed["reloads"]] == expected
         optimizer = dict(resumed["reloads"])["optimizer_cpu_reload"]

@@ -20,6 +20,17 @@ VOCAB = 4096
 FSDP2_ARGS = {"fsdp": True, "fsdp_config": {"version": 2, "cpu_ram_efficient_loading": True}}
 
 
+def cpu_first_versions() -> bool:
+    """Whether the Trainer integration reloads adapters CPU-first with the installed peft / transformers: with versions
+    it was not tested with (transformers 5.17 in the GPU machines' image) it falls back to the Trainer's own loading
+    by design."""
+    from accelerate_memsafe import _compat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _compat.check_trainer_peft_versions()
+
+
 class _Stop(Exception):
     """Raised at ``on_train_begin`` to end a run once the model is prepared (memory runs need no step)."""
 

@@ -23,20 +23,14 @@ from accelerate_memsafe.integrations import MemSafeTrainer, MemSafeTrainerMixin
 from accelerate_memsafe.integrations import peft as peft_helpers
 from accelerate_memsafe.integrations import trainer_checkpoints as tc
 from accelerate_memsafe.io import atomic
-from tests.distributed.workers_trainer import _scripted
+from tests.distributed.workers_trainer import _scripted, cpu_first_versions
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _tested_versions() -> bool:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _compat.check_trainer_peft_versions()
-
-
 #: the tests of the CPU-first path itself: with other peft / transformers versions the integration falls back to the
 #: Trainer's own loading by design (tested below either way), e.g. transformers 5.17 in the GPU machines' image
-cpu_first_path = pytest.mark.skipif(not _tested_versions(), reason="peft / transformers versions the Trainer "
+cpu_first_path = pytest.mark.skipif(not cpu_first_versions(), reason="peft / transformers versions the Trainer "
                                     "integration was not tested with: it falls back to the Trainer's own loading")
 
 
