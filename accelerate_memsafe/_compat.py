@@ -235,6 +235,43 @@ def apply_activation_checkpointing(model: torch.nn.Module, fsdp_plugin: Any) -> 
     return fsdp2_apply_ac(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=fsdp_plugin)), model)
 
 
+# -- transformers' declaration of children whose weights a parent's forward reads (the `shard` stage) ----------
+#
+# 8. ``transformers.integrations.accelerate.force_accelerate_hooks``: which children a ``forward`` uses without
+#    calling them; the wrap policy must not make them FSDP2 groups of their own.
+
+@functools.cache
+def directly_used_children(module_type: type) -> tuple[str, ...]:
+    """The child modules whose weights ``module_type.forward`` reads without calling the child, as transformers
+    declares them: ``@force_accelerate_hooks("conv1d")`` on a mixer's ``forward`` (mamba, jamba, falcon_h1,
+    qwen3_next ... pass ``self.conv1d.weight`` to a convolution kernel). An FSDP2 group of such a child is never
+    unsharded (its ``forward`` never runs), so the parent's forward meets a sharded ``DTensor``: the child must stay
+    in an enclosing group.
+
+    Reads the decorator's closure (its ``child_module_names``) from the ``forward`` or any function it wraps
+    (``__wrapped__``): the decorator is recognised by its code (a function ``wrapped`` of
+    ``transformers/integrations/accelerate.py`` closing over ``child_module_names``), so a transformers whose
+    decorator looks otherwise gives ``()``: the children are grouped as a wrap policy picks them, as without the plugin.
+
+    Example:
+        >>> directly_used_children(torch.nn.Linear)
+        ()
+    """
+    fn = getattr(module_type, "forward", None)
+    for _ in range(16):  # the decorators stacked on a forward, outermost first
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return ()
+        if (code.co_name == "wrapped" and "child_module_names" in code.co_freevars
+                and code.co_filename.replace(os.sep, "/").endswith("transformers/integrations/accelerate.py")):
+            names = fn.__closure__[code.co_freevars.index("child_module_names")].cell_contents
+            if isinstance(names, str):
+                names = [names]
+            return tuple(n for n in names if isinstance(n, str)) if isinstance(names, (list, tuple)) else ()
+        fn = getattr(fn, "__wrapped__", None)
+    return ()
+
+
 # -- transformers internals used by the offloaded save -----------------------------------------------------
 #
 # 3. ``transformers.core_model_loading``: the reverse weight conversions of a model (``revert_weight_conversion``

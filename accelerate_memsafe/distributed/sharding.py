@@ -140,10 +140,12 @@ class GroupFilter:
 
     From the modules of one ``fully_shard`` call :meth:`select` drops containers without ``forward``,
     modules whose parameters an earlier group already manages (accelerate's tail ``[final_norm, lm_head]``
-    after ``size_based_wrap`` grouped their parent), and, repeatedly, every module holding a parameter that
-    is also owned by a module outside the call (a tie the group would split). What is dropped stays with
-    an enclosing group, so tied parameters always end up in one group: the smallest that holds every
-    module using them.
+    after ``size_based_wrap`` grouped their parent), children whose weights their parent's ``forward`` reads
+    without calling them (transformers' ``force_accelerate_hooks``: a mamba mixer's ``conv1d``; such a group would
+    never be unsharded, :func:`~accelerate_memsafe._compat.directly_used_children`), and, repeatedly, every module
+    holding a parameter that is also owned by a module outside the call (a tie the group would split). What is
+    dropped stays with an enclosing group, so tied parameters always end up in one group: the smallest that holds
+    every module using them.
 
     Example:
         >>> a = torch.nn.Linear(2, 2); b = torch.nn.Linear(2, 2); b.weight = a.weight
@@ -158,6 +160,7 @@ class GroupFilter:
         self.dropped: list[str] = []
         self._owners: dict[int, set[int]] | None = None  # id(parameter) -> ids of the modules holding it
         self._tied = True  # whether some parameter is held by several modules (known once the owner map is built)
+        self._direct: set[int] = set()  # ids of the children a parent's forward uses directly (with the owner map)
         self._selected: list[tuple[torch.nn.Module, list[int]]] = []  # (module, ids of its parameters) before sharding
 
     def _owner_map(self) -> dict[int, set[int]]:
@@ -173,6 +176,10 @@ class GroupFilter:
             self._owners = {}
             for mod in walk.modules(self.root):
                 self._add_owner(mod)
+                for name in _compat.directly_used_children(type(mod)):
+                    child = mod._modules.get(name)
+                    if child is not None:
+                        self._direct.add(id(child))
             self._tied = any(len(holders) > 1 for holders in self._owners.values())
         return self._owners
 
@@ -184,14 +191,14 @@ class GroupFilter:
     def select(self, modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
         # (module, the ids of the parameters its group would manage); its subtree too where the tie check needs it:
         # each walked once per call
+        owners = self._owner_map()  # (built at the first call, with the children used directly)
         candidates = []
         for m in modules:
-            if not _implements_forward(m):
+            if not _implements_forward(m) or id(m) in self._direct:
                 continue
             ids = [id(p) for p in _group_params(m)]
             if not any(pid in self.managed for pid in ids):
                 candidates.append((m, ids))
-        owners = self._owner_map()
         if not self._tied:  # no tie anywhere: nothing to split, and no owner map to keep up to date
             kept_modules = [m for m, _ in candidates]
             chosen = {id(m) for m in kept_modules}
@@ -287,12 +294,44 @@ def drop_cache_under_checkpointing(model: torch.nn.Module) -> int:
     return hooked
 
 
-def resolve_wrap_policy(fsdp_plugin: Any, model: torch.nn.Module) -> None:
+def resolve_wrap_policy(fsdp_plugin: Any, model: torch.nn.Module) -> list[str]:
     """Resolves the plugin's ``auto_wrap_policy`` against the *unwrapped* model, once, as accelerate's
     ``_prepare_fsdp2`` does first thing. After ``fully_shard`` the layer classes are renamed
     (``FSDPLlamaDecoderLayer``), so resolving later by class name fails; a resolved policy (a
-    ``functools.partial``) makes accelerate's own second call a no-op."""
+    ``functools.partial``) makes accelerate's own second call a no-op.
+
+    ``transformer_based_wrap`` takes its classes from the model's ``_no_split_modules`` unless the user named them
+    (``transformer_cls_names_to_wrap``). transformers lists there every layer class the architecture may build, and a
+    configuration may build fewer (RoBERTa-PreLayerNorm's cross-attention only with ``add_cross_attention``, the text
+    half of a vision-language model): accelerate then refuses the whole model ("Could not find the transformer layer
+    class ... in the model"). The classes the model does not contain are left out here, so the policy wraps the layers
+    it has, as it would had transformers listed only those. Classes the user named, and a model that has none of the
+    listed classes, are resolved as accelerate does (its error included).
+
+    Returns:
+        The ``_no_split_modules`` classes left out because the model has no module of them (empty: none).
+
+    Example:
+        >>> from accelerate.utils import FullyShardedDataParallelPlugin
+        >>> class Block(torch.nn.Linear): ...
+        >>> model = torch.nn.Sequential(Block(2, 2)); model._no_split_modules = ["Block", "CrossAttention"]
+        >>> plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+        >>> resolve_wrap_policy(plugin, model), plugin.transformer_cls_names_to_wrap
+        (['CrossAttention'], ['Block'])
+    """
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    absent: list[str] = []
+    listed = getattr(model, "_no_split_modules", None)
+    if fsdp_plugin.auto_wrap_policy is transformer_auto_wrap_policy and fsdp_plugin.transformer_cls_names_to_wrap is None \
+            and listed:
+        have = {type(m).__name__ for m in walk.modules(model)}
+        present = [name for name in listed if name in have]
+        if present and len(present) < len(listed):
+            absent = [name for name in listed if name not in have]
+            fsdp_plugin.transformer_cls_names_to_wrap = present
     fsdp_plugin.set_auto_wrap_policy(model)
+    return absent
 
 
 def shard_model(
@@ -308,6 +347,7 @@ def shard_model(
     on_group: Callable[[list[torch.nn.Module]], None] | None = None,
     timings: dict[str, float] | None = None,
     counts: dict[str, int] | None = None,
+    details: dict[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Applies ``fully_shard`` the way accelerate does and remaps the optimizers onto the DTensor params.
 
@@ -332,6 +372,8 @@ def shard_model(
             unmapping a checkpoint's pages): the parts of this function that a stock ``prepare`` runs too.
         counts: Receives ``parameters`` (the sharded model's parameters, each once) and ``local_elements`` (the
             elements of their shards this rank holds), read from the walk that remaps the optimizers.
+        details: Receives ``wrap_classes_absent`` where ``transformer_based_wrap`` left out classes of the model's
+            ``_no_split_modules`` that it does not contain (:func:`resolve_wrap_policy`).
 
     Returns:
         The sharded model (the same object, now an ``FSDPModule``).
@@ -349,7 +391,9 @@ def shard_model(
         if problem:
             raise ValueError(f"tensor parallelism: {problem}")
         apply_tensor_parallel(model, mesh["tp"], plan)
-    resolve_wrap_policy(fsdp_plugin, model)
+    absent = resolve_wrap_policy(fsdp_plugin, model)
+    if absent and details is not None:
+        details["wrap_classes_absent"] = absent
     if fsdp_plugin.activation_checkpointing:
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
         drop_cache_under_checkpointing(model)

@@ -38,6 +38,7 @@ class ShardStage(Stage):
         pages = MappedParameterPages(ctx.model) if in_place and self.options.drop_file_pages else None
         timings: dict[str, float] = {}
         counts: dict[str, int] = {}
+        wrap: dict = {}
         ctx.model = shard_model(
             ctx.model,
             ctx.optimizers,
@@ -50,6 +51,7 @@ class ShardStage(Stage):
             on_group=pages.formed if pages is not None else None,
             timings=timings,
             counts=counts,
+            details=wrap,
         )
         ctx.scratch["sharded"] = True
         dropped = {"file_pages_dropped_bytes": pages.bytes_dropped} if pages is not None else {}
@@ -57,4 +59,4 @@ class ShardStage(Stage):
         # and the part of the wrapping spent in the plugin's callbacks: the rest of the stage is the plugin's own work
         return ran(**counts, world_size=ctx.world_size,
                    fsdp2_wrap_s=round(timings["fsdp2_wrap_s"], 6), own_in_wrap_s=round(timings["own_in_wrap_s"], 6),
-                   unsharded_release_s=round(timings["unsharded_release_s"], 6), **tp_details, **dropped)
+                   unsharded_release_s=round(timings["unsharded_release_s"], 6), **tp_details, **dropped, **wrap)

@@ -23,6 +23,8 @@ REDUCED = {
     "bart": ("none-bf16",),
     "mamba": ("hf-tw-efficient",),
     "gpt2": ("offload",),
+    "falcon_h1": ("size",),  # the mixer reads conv1d's weight directly (transformers' force_accelerate_hooks)
+    "roberta-prelayernorm": ("tw",),  # _no_split_modules lists a cross-attention this config does not build
     "whisper": ("tw",),
 }
 CELLS = [(f, s) for f, settings in REDUCED.items() for s in settings]
