@@ -271,7 +271,8 @@ def drop_cache_under_checkpointing(model: torch.nn.Module) -> int:
     accelerate's FSDP2 activation checkpointing wraps layers in torch's ``CheckpointWrapper``, which replays
     the layer's forward with the same arguments, cache included; models whose layers write the cache
     (sliding-window and encoder-decoder attention among them) then fail in backward. Only wrappers around a
-    transformers ``GradientCheckpointingLayer`` get the hook; evaluation (``model.eval()``) is untouched.
+    transformers layer get the hook: a ``GradientCheckpointingLayer``, or a layer class of transformers' models
+    that is not one (GPT-NeoX-Japanese's, which writes the cache as well); evaluation (``model.eval()``) is untouched.
 
     Returns:
         The number of wrappers hooked.
@@ -286,9 +287,12 @@ def drop_cache_under_checkpointing(model: torch.nn.Module) -> int:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # no transformers: no transformers layers
         return 0
+    def transformers_layer(module: torch.nn.Module) -> bool:
+        return isinstance(module, GradientCheckpointingLayer) or type(module).__module__.startswith("transformers.models.")
+
     hooked = 0
     for module in model.modules():
-        if isinstance(module, CheckpointWrapper) and isinstance(module._checkpoint_wrapped_module, GradientCheckpointingLayer):
+        if isinstance(module, CheckpointWrapper) and transformers_layer(module._checkpoint_wrapped_module):
             module.register_forward_pre_hook(_cache_free_in_training, with_kwargs=True)
             hooked += 1
     return hooked

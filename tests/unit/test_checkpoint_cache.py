@@ -85,3 +85,27 @@ def test_modules_that_are_not_transformers_layers_are_left_alone():
     model = torch.nn.Sequential(checkpoint_wrapper(torch.nn.Linear(2, 2)))
     assert drop_cache_under_checkpointing(model) == 0
     assert not model[0]._forward_pre_hooks
+
+
+def _gpt_neox_japanese() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXJapaneseConfig(vocab_size=64, hidden_size=32, intermediate_multiple_size=2,
+                                                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                                                attention_dropout=0.0, hidden_dropout=0.0)
+    return transformers.GPTNeoXJapaneseForCausalLM(config)
+
+
+def test_a_transformers_layer_that_is_no_gradient_checkpointing_layer_is_hooked_too():
+    # GPT-NeoX-Japanese's layers are plain modules (the model predates GradientCheckpointingLayer) and write the cache
+    reference = _gpt_neox_japanese()
+    layers = reference.gpt_neox_japanese.layers
+    assert not isinstance(layers[0], GradientCheckpointingLayer)
+    model = copy.deepcopy(reference)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, type(layers[0])))
+    with pytest.raises(RuntimeError, match="must match the size"):
+        _grads(copy.deepcopy(model), BATCH)
+    assert drop_cache_under_checkpointing(model) == 2
+    for got, want in zip(_grads(model, BATCH), _grads(reference, BATCH), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
