@@ -322,3 +322,33 @@ def test_a_child_used_directly_without_transformers_declaration_is_grouped_as_th
 
     m = nn.Sequential(Undeclared())
     assert GroupFilter(m).select([m[0].conv1d]) == [m[0].conv1d]
+
+
+def test_the_shard_record_names_the_layer_classes_left_out():
+    # shard_model on a 1-rank gloo group, as the `shard` stage calls it: the classes left out reach its details
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+
+    from accelerate_memsafe.distributed.sharding import shard_model
+    from tests.spawn import free_port
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    model = _with_no_split(nn.Sequential(Block(), Block()), ["Block", "CrossAttention"])
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    details: dict = {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = shard_model(model, [], fsdp_plugin=plugin, mixed_precision="no", device=torch.device("cpu"),
+                            details=details)
+    finally:
+        dist.destroy_process_group()
+    assert details == {"wrap_classes_absent": ["CrossAttention"]}
+    assert all(isinstance(b, FSDPModule) for b in model)  # both blocks are groups of their own
