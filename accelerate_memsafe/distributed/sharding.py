@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import _compat, walk
+from .direct_use import modules_used_directly
 
 
 def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, parallelism_config: Any = None) -> str | None:
@@ -142,7 +143,9 @@ class GroupFilter:
     modules whose parameters an earlier group already manages (accelerate's tail ``[final_norm, lm_head]``
     after ``size_based_wrap`` grouped their parent), children whose weights their parent's ``forward`` reads
     without calling them (transformers' ``force_accelerate_hooks``: a mamba mixer's ``conv1d``; such a group would
-    never be unsharded, :func:`~accelerate_memsafe._compat.directly_used_children`), and, repeatedly, every module
+    never be unsharded, :func:`~accelerate_memsafe._compat.directly_used_children`; with ``read_code``, also those the
+    source of the model's ``forward`` methods shows used that way, and modules whose ``forward`` returns a parameter of
+    their own: :func:`~accelerate_memsafe.distributed.direct_use.modules_used_directly`), and, repeatedly, every module
     holding a parameter that is also owned by a module outside the call (a tie the group would split). What is
     dropped stays with an enclosing group, so tied parameters always end up in one group: the smallest that holds
     every module using them.
@@ -154,8 +157,9 @@ class GroupFilter:
         ([], 2)
     """
 
-    def __init__(self, root: torch.nn.Module) -> None:
+    def __init__(self, root: torch.nn.Module, *, read_code: bool = False) -> None:
         self.root = root
+        self.read_code = read_code
         self.managed: set[int] = set()
         self.dropped: list[str] = []
         self._owners: dict[int, set[int]] | None = None  # id(parameter) -> ids of the modules holding it
@@ -180,6 +184,8 @@ class GroupFilter:
                     child = mod._modules.get(name)
                     if child is not None:
                         self._direct.add(id(child))
+                if self.read_code:
+                    self._direct.update(id(m) for m in modules_used_directly(mod))
             self._tied = any(len(holders) > 1 for holders in self._owners.values())
         return self._owners
 
@@ -338,6 +344,25 @@ def resolve_wrap_policy(fsdp_plugin: Any, model: torch.nn.Module) -> list[str]:
     return absent
 
 
+def policy_picks_any_module(fsdp_plugin: Any) -> bool:
+    """Whether the plugin's (resolved) wrap policy may make any module a group of its own (``size_based_wrap``, a
+    callable of the user's), where the group filter reads the model's source for modules its code uses without calling
+    them (``GroupFilter(read_code=True)``). ``transformer_based_wrap`` groups the layer classes transformers declares
+    (``_no_split_modules``: blocks its models call through their ``forward``), and no policy only the input embedding
+    and the ``[final_norm, lm_head]`` tail: the 150 families of docs/compatibility.md need no reading there, and
+    ``prepare`` pays none.
+
+    Example:
+        >>> from accelerate.utils import FullyShardedDataParallelPlugin
+        >>> policy_picks_any_module(FullyShardedDataParallelPlugin(fsdp_version=2))
+        False
+    """
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = getattr(fsdp_plugin, "auto_wrap_policy", None)
+    return policy is not None and getattr(policy, "func", policy) is not transformer_auto_wrap_policy
+
+
 def shard_model(
     model: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
@@ -401,7 +426,7 @@ def shard_model(
     if fsdp_plugin.activation_checkpointing:
         model = _compat.apply_activation_checkpointing(model, fsdp_plugin)
         drop_cache_under_checkpointing(model)
-    groups = GroupFilter(model)
+    groups = GroupFilter(model, read_code=policy_picks_any_module(fsdp_plugin))
     own = [0.0]  # the wall of this function's callbacks inside accelerate's wrapping call
 
     def timed(callback: Callable[[list[torch.nn.Module]], Any]) -> Callable[[list[torch.nn.Module]], Any]:

@@ -25,6 +25,8 @@ REDUCED = {
     "gpt2": ("offload",),
     "falcon_h1": ("size",),  # the mixer reads conv1d's weight directly (transformers' force_accelerate_hooks)
     "roberta-prelayernorm": ("tw",),  # _no_split_modules lists a cross-attention this config does not build
+    "jetmoe": ("size",),  # the attention calls its experts' `map` / `reduce`, not their forward (read from the source)
+    "gpt_neox_japanese": ("size",),  # the attention's forward returns its own bias parameter (read from the source)
     "whisper": ("tw",),
 }
 CELLS = [(f, s) for f, settings in REDUCED.items() for s in settings]

@@ -308,20 +308,70 @@ def test_layer_classes_the_model_does_not_contain_are_left_out_of_transformer_wr
         resolve_wrap_policy(plugin(), _with_no_split(nn.Sequential(nn.Linear(2, 2)), ["CrossAttention"]))
 
 
-def test_a_child_used_directly_without_transformers_declaration_is_grouped_as_the_policy_picks():
-    # today's behaviour, a known gap (docs/guarantees.md): nothing tells the filter that a forward reads a child's
-    # weights or returns its own parameter, so such a child still forms a group (GPT-NeoX-Japanese, JetMoE, ProphetNet
-    # under size_based_wrap fail in their first forward, as they would under stock accelerate's grouping)
-    class Undeclared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv1d = nn.Conv1d(4, 4, 3, groups=4)
+class Undeclared(nn.Module):
+    """Reads its child's weight without calling the child, and nothing declares it (ProphetNet's decoder)."""
 
-        def forward(self, x):
-            return torch.nn.functional.conv1d(x, self.conv1d.weight, groups=4)
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1d = nn.Conv1d(4, 4, 3, groups=4)
+        self.out = nn.Linear(4, 4)
 
+    def forward(self, x):
+        return self.out(torch.nn.functional.conv1d(x, self.conv1d.weight, groups=4).transpose(1, 2))
+
+
+def test_a_child_used_directly_without_transformers_declaration_is_read_from_the_source():
+    # read_code (size_based_wrap, a policy of the user's): the forward's source shows conv1d read without a call, so
+    # conv1d stays in its parent's group; without it (transformer_based_wrap, no policy) the policy's pick stands
     m = nn.Sequential(Undeclared())
+    f = GroupFilter(m, read_code=True)
+    assert f.select([m[0].conv1d]) == [] and f.dropped == ["Conv1d"]
+    assert f.select([m[0].out]) == [m[0].out]  # called through its forward
     assert GroupFilter(m).select([m[0].conv1d]) == [m[0].conv1d]
+
+
+def test_policies_that_may_group_any_module_read_the_source():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from accelerate_memsafe.distributed.sharding import policy_picks_any_module
+
+    def plugin(policy, **kw):
+        p = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=policy, **kw)
+        p.set_auto_wrap_policy(_with_no_split(nn.Sequential(nn.Linear(2, 2)), ["Linear"]))
+        return p
+
+    assert policy_picks_any_module(plugin("size_based_wrap", min_num_params=10))
+    assert policy_picks_any_module(plugin(lambda module, recurse, nonwrapped_numel: True))
+    assert not policy_picks_any_module(plugin("transformer_based_wrap"))
+    assert not policy_picks_any_module(plugin(None))
+    assert not policy_picks_any_module(plugin("size_based_wrap"))  # min_num_params=0: accelerate sets no policy
+
+
+def test_size_based_wrap_keeps_a_child_read_directly_in_its_parents_group():
+    # shard_model on a 1-rank gloo group, as the `shard` stage calls it: under size_based_wrap conv1d was a group of
+    # its own, resharded when the parent's forward read its weight (a DTensor meeting a tensor); read from the source
+    # it stays with its parent, and the forward gives the unsharded model's output bitwise
+    import torch.distributed as dist
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+
+    from accelerate_memsafe.distributed.sharding import shard_model
+    from tests.spawn import free_port
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Undeclared(), Undeclared())
+    x = torch.randn(2, 4, 8)
+    expected = model[1](model[0](x).transpose(1, 2))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="size_based_wrap", min_num_params=10)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = shard_model(model, [], fsdp_plugin=plugin, mixed_precision="no", device=torch.device("cpu"))
+        got = model[1](model[0](x).transpose(1, 2))
+    finally:
+        dist.destroy_process_group()
+    assert all(isinstance(u, FSDPModule) and isinstance(u.out, FSDPModule) for u in model)  # the policy's groups
+    assert not any(isinstance(u.conv1d, FSDPModule) for u in model)
+    assert torch.equal(got, expected)
 
 
 def test_the_shard_record_names_the_layer_classes_left_out():
