@@ -57,11 +57,10 @@ _NONE = CodeUses()
 
 def _function_tree(fn) -> tuple[ast.AST, str] | None:
     """The syntax tree of ``fn``'s source and the name of its first argument (``self``), or ``None``."""
-    fn = inspect.unwrap(fn)
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(fn)))
         tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError, ValueError):
+    except Exception:  # no source, a cycle of wrappers, code the parser refuses: nothing read, as without the plugin
         return None
     node = tree.body[0] if tree.body else None
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.args.args:
@@ -71,7 +70,11 @@ def _function_tree(fn) -> tuple[ast.AST, str] | None:
 
 def _read_in_torch(fn) -> bool:
     """Whether ``fn`` is torch's own code (``nn.Module``'s methods): never read."""
-    return (getattr(inspect.unwrap(fn), "__module__", None) or "").startswith("torch.")
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:  # a cycle of `__wrapped__`
+        pass
+    return (getattr(fn, "__module__", None) or "").startswith("torch.")
 
 
 @functools.cache
