@@ -74,6 +74,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     },
     "qwen2": {"use_sliding_window": True, "max_window_layers": 1, "tie_word_embeddings": True},
     "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"]},
+    # hybrids: one layer of each kind (their defaults' first two layers are linear attention or convolution only, whose
+    # cache transformers' forward cannot ask for its length)
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"]},
+    "lfm3": {"layer_types": ["conv", "full_attention", "sliding_attention"], "num_hidden_layers": 3},
     "qwen3_moe": {"vocab_size": ODD_VOCAB},
     "deepseek_v3": {"head_dim": 8},
     "bert": {"vocab_size": ODD_VOCAB},
