@@ -349,7 +349,7 @@ def policy_picks_any_module(fsdp_plugin: Any) -> bool:
     callable of the user's), where the group filter reads the model's source for modules its code uses without calling
     them (``GroupFilter(read_code=True)``). ``transformer_based_wrap`` groups the layer classes transformers declares
     (``_no_split_modules``: blocks its models call through their ``forward``), and no policy only the input embedding
-    and the ``[final_norm, lm_head]`` tail: the 150 families of docs/compatibility.md need no reading there, and
+    and the ``[final_norm, lm_head]`` tail: no family of docs/compatibility.md needs the reading there, and
     ``prepare`` pays none.
 
     Example:
