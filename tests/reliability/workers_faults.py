@@ -28,15 +28,18 @@ def _fault(kind: str, timeout_s: float):
     return fault
 
 
-def faulty_rank(rank: int, world_size: int, *, stage: str, kind: str, timeout_s: float, ckpt: str) -> dict[str, Any]:
-    """Rank 1 stalls (``kind="stall"``) or dies (``"exit"``) inside ``stage``; rank 0 reports how its own
-    call failed and how long it took from the start of the hook."""
+def faulty_rank(rank: int, world_size: int, *, stage: str, kind: str, timeout_s: float, ckpt: str,
+                faulty: int = 1) -> dict[str, Any]:
+    """Rank ``faulty`` stalls (``kind="stall"``) or dies (``"exit"``) inside ``stage``; the other ranks report how
+    their own call failed and how long it took from the start of the hook. Rank 0 hosts the process group's store
+    (``MASTER_ADDR``/``MASTER_PORT``, as under a plain ``torch.distributed`` launch): ``faulty=0`` takes the store
+    down with it."""
     import torch
 
     from accelerate_memsafe.models import build_llama
 
     acc = _accelerator(timeout_s)
-    if rank == 1:
+    if rank == faulty:
         if stage == "rank0_distribute":
             import accelerate_memsafe.stages.rank0_distribute as mod
 
@@ -45,6 +48,11 @@ def faulty_rank(rank: int, world_size: int, *, stage: str, kind: str, timeout_s:
             import accelerate_memsafe.stages.buffer_init as mod
 
             mod.init_non_persistent_buffers = _fault(kind, timeout_s)
+        elif stage == "preflight":
+            # the peers wait in the preflight's exchange, which runs through the store only (no collective)
+            from accelerate_memsafe.pipeline import Pipeline
+
+            Pipeline._preflight = _fault(kind, timeout_s)
         elif stage == "atomic_checkpoint":
             # rank 1 never reaches the stage's first synchronisation (rank 0 has begun the temp directory)
             from accelerate_memsafe.stages.atomic_checkpoint import AtomicCheckpointStage
