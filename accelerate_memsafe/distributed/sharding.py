@@ -15,9 +15,9 @@ from .direct_use import modules_used_directly
 def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, parallelism_config: Any = None) -> str | None:
     """Why an FSDP2 prepare stage has nothing to do (``None``: it applies).
 
-    Tensor parallelism (``tp_size > 1``) applies when the model's own TP plan maps to torch's styles
-    (:func:`~accelerate_memsafe.distributed.tensor_parallel.resolve_tp_plan`); otherwise accelerate's
-    ``prepare`` is left to apply it.
+    With tensor parallelism (``tp_size > 1``) the stages apply, but to a model that transformers already
+    parallelised while loading (accelerate's ``prepare`` finishes that one); whether the model's TP plan is applied
+    is :func:`shard_model`'s decision.
 
     Example:
         >>> fsdp2_prepare_skip_reason(is_fsdp2=False, model=None)
@@ -35,15 +35,9 @@ def fsdp2_prepare_skip_reason(*, is_fsdp2: bool, model: torch.nn.Module | None, 
     if tp > 1:
         from torch.distributed.tensor import DTensor
 
-        from .tensor_parallel import resolve_tp_plan
-
         if any(isinstance(p, DTensor) for p in model.parameters()):
             return (f"tensor parallelism (parallelism_config.tp_size={tp}) with a model already parallelised while "
                     "loading (`tp_plan`): accelerate's own prepare finishes it")
-        problem = resolve_tp_plan(model)[2]
-        if problem:
-            return (f"tensor parallelism (parallelism_config.tp_size={tp}): {problem}; accelerate's own prepare is "
-                    "left to apply it")
     return None
 
 
@@ -377,6 +371,7 @@ def shard_model(
     timings: dict[str, float] | None = None,
     counts: dict[str, int] | None = None,
     details: dict[str, Any] | None = None,
+    tp_declined: str | None = None,
 ) -> torch.nn.Module:
     """Applies ``fully_shard`` the way accelerate does and remaps the optimizers onto the DTensor params.
 
@@ -403,6 +398,9 @@ def shard_model(
             elements of their shards this rank holds), read from the walk that remaps the optimizers.
         details: Receives ``wrap_classes_absent`` where ``transformer_based_wrap`` left out classes of the model's
             ``_no_split_modules`` that it does not contain (:func:`resolve_wrap_policy`).
+        tp_declined: With ``tp_size > 1``: why the model's TP plan is not applied, as the ranks agreed
+            (``None``: this rank asks :func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`).
+            A declined plan leaves FSDP over ``dp_shard`` only, as accelerate's own ``prepare`` does.
 
     Returns:
         The sharded model (the same object, now an ``FSDPModule``).
@@ -414,12 +412,14 @@ def shard_model(
     old = named_parameters_canonical(model)
     tp = getattr(parallelism_config, "tp_size", 1) or 1
     if tp > 1:  # TP first, on meta, then activation checkpointing, then fully_shard (torchtitan's order)
-        from .tensor_parallel import apply_tensor_parallel, resolve_tp_plan
+        from .tensor_parallel import apply_tensor_parallel, resolve_tp_plan, tp_plan_problem
 
         plan, _, problem = resolve_tp_plan(model)
-        if problem:
-            raise ValueError(f"tensor parallelism: {problem}")
-        apply_tensor_parallel(model, mesh["tp"], plan)
+        problem = tp_declined or problem or tp_plan_problem(model, tp)
+        if problem is None:
+            apply_tensor_parallel(model, mesh["tp"], plan)
+        # else, as accelerate's own prepare does with a model whose weights no TP plan split: FSDP over the
+        # `dp_shard` dimension only (the groups of ranks along `tp` hold the same shards, fed the same batches)
     absent = resolve_wrap_policy(fsdp_plugin, model)
     if absent and details is not None:
         details["wrap_classes_absent"] = absent

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 from ..distributed.local_read import MappedParameterPages
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
-from ..pipeline import HookContext, Stage, StageOutcome, ran
+from ..pipeline import ANNOUNCED_KEY, HookContext, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY
+
+
+def _tp_size(ctx: HookContext) -> int:
+    return getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1
 
 
 class ShardStage(Stage):
     """Wraps the model with ``fully_shard`` (accelerate's wrap policy, mixed precision and offload
     settings) and points the optimizers at the sharded parameters; accelerate's ``prepare`` then finds an
     already-sharded model and does the rest (optimizer wrapping, dataloaders, schedulers). With
-    ``tp_size > 1`` the model's own TP plan is applied first, on ``meta``.
+    ``tp_size > 1`` the model's own TP plan is applied first, on ``meta``; a plan that cannot be applied (none, a
+    style torch has no counterpart of, or one the model's forward does not run with) is declined with a warning,
+    and FSDP shards over ``dp_shard`` only, as accelerate's own ``prepare`` does then.
     """
 
     name = "shard"
@@ -23,14 +32,56 @@ class ShardStage(Stage):
         return fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
                                          parallelism_config=ctx.scratch.get("parallelism_config"))
 
+    def announce(self, ctx: HookContext) -> Any:
+        """With ``tp_size > 1``: this rank's verdict on the model's TP plan (``("tp", None)``: it applies; else why
+        not, :func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`), sent with the preflight
+        exchange so that every rank applies the plan or none does (:meth:`run` declines it if any rank did)."""
+        tp = _tp_size(ctx)
+        if tp < 2 or self.skip_reason(ctx) is not None:
+            return None
+        from ..distributed.tensor_parallel import tp_plan_problem
+
+        return ("tp", tp_plan_problem(ctx.model, tp))
+
+    def _agreed_tp_problem(self, ctx: HookContext, tp: int) -> str | None:
+        """Why the TP plan is declined, from every rank's verdict (the preflight's announcements, else one
+        all-gather here): the same on every rank."""
+        verdicts = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
+        if verdicts is None or len(verdicts) != ctx.world_size or any(v is None for v in verdicts):
+            from ..distributed.collectives import Collectives
+            from ..distributed.tensor_parallel import tp_plan_problem
+
+            mine = ("tp", tp_plan_problem(ctx.model, tp))
+            verdicts = [mine] if ctx.world_size < 2 else Collectives(
+                self.name, timeout_s=self.options.collective_timeout_s).all_gather_object(
+                mine, what="all_gather of each rank's verdict on the model's TP plan")
+        problems = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
+        if not problems:
+            return None
+        rank, problem = problems[0]
+        return problem if len(problems) == len(verdicts) else f"rank {rank}: {problem}"
+
     def run(self, ctx: HookContext) -> StageOutcome:
-        tp = getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1
+        tp = _tp_size(ctx)
         tp_details = {}
+        problem = None
         if tp > 1:
             from ..distributed.tensor_parallel import resolve_tp_plan
 
             plan, tied, _ = resolve_tp_plan(ctx.model)
-            tp_details = {"tp_size": tp, "tp_modules": len(plan), **({"tp_kept_replicated": tied} if tied else {})}
+            problem = self._agreed_tp_problem(ctx, tp)
+            if problem is None:
+                tp_details = {"tp_size": tp, "tp_modules": len(plan), **({"tp_kept_replicated": tied} if tied else {})}
+            else:  # sharded over `dp_shard` only, as accelerate's own prepare does then: said where the user looks
+                tp_details = {"tp_size": tp, "tp_modules": 0, "tp_declined": problem}
+                if ctx.rank == 0:
+                    warnings.warn(
+                        f"accelerate_memsafe: tensor parallelism (parallelism_config.tp_size={tp}) is not applied: "
+                        f"{problem}. The model is sharded with FSDP over `dp_shard` only and each group of {tp} ranks "
+                        "along `tp` holds the same shards, as accelerate's own `prepare` does with a model no TP plan "
+                        "split.", stacklevel=2)
+            # accelerate's own TP pass must not touch the sharded model (its `ReplicateParallel` is gone in
+            # transformers 5.x): the plugin has sharded it, with or without the plan
             ctx.scratch["tensor_parallel"] = True
         # weights left in place (every one an unmodified view of the mapped checkpoint, on every rank): with
         # `drop_file_pages`, each group's file pages leave this rank's RSS once fully_shard has copied its rows
@@ -52,6 +103,7 @@ class ShardStage(Stage):
             timings=timings,
             counts=counts,
             details=wrap,
+            tp_declined=problem,
         )
         ctx.scratch["sharded"] = True
         dropped = {"file_pages_dropped_bytes": pages.bytes_dropped} if pages is not None else {}

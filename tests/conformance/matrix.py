@@ -17,7 +17,7 @@ from typing import Any
 
 from . import worker
 from .families import Family
-from .settings import SETTINGS
+from .settings import BY_NAME, EXTRA_SETTINGS, SETTINGS
 
 #: Seconds a spawn gets to start (two ranks importing torch + transformers on 2 shared cores) ...
 STARTUP_S = 180.0
@@ -87,6 +87,9 @@ def run(jobs: list[tuple[Family, list[str]]], workdir: Path, *, pack: bool = Fal
 
     tasks = [worker.Task(f, s) for f, settings in jobs for s in settings]
     groups = [tasks] if pack else [[t for t in tasks if t.family.name == f.name] for f, _ in jobs]
+    # a spawn runs on one number of ranks: a group's settings on other numbers get spawns of their own
+    groups = [[t for t in g if BY_NAME[t.setting].world_size == w] for g in groups
+              for w in sorted({BY_NAME[t.setting].world_size for t in g})]
     facts: dict[tuple[str, str], dict[str, Any]] = {}
     cells: list[Cell] = []
     emitted: set[tuple[str, str]] = set()
@@ -98,7 +101,8 @@ def run(jobs: list[tuple[Family, list[str]]], workdir: Path, *, pack: bool = Fal
             progress.touch()
             start, failure = time.monotonic(), None
             try:
-                run_on_ranks(worker.run_cells, 2, init_process_group=False, timeout=startup_s + cell_s * len(pending),
+                run_on_ranks(worker.run_cells, BY_NAME[pending[0].setting].world_size, init_process_group=False,
+                             timeout=startup_s + cell_s * len(pending),
                              tasks=pending, progress=str(progress))
             except RankFailure as exc:
                 failure = _first_line(str(exc))
@@ -157,6 +161,20 @@ def _first_line(text: str) -> str:
     return lines[0][:300] if lines else "no message"
 
 
+def _reason_kind(why: str) -> tuple[str, str]:
+    """A declined TP plan's reason as (kind, what is particular to the model: the forward's error, or ``""``).
+
+    Example:
+        >>> _reason_kind("the model's TP plan uses style(s) ['packed_colwise'], which the plugin does not map to ...")
+        ("the model's TP plan uses style(s) ['packed_colwise']", '')
+    """
+    if "does not run with its TP plan" in why:
+        return "the model's forward does not run with its plan", why.split("`meta`): ", 1)[-1][:90]
+    if "matches none of its" in why:
+        return "the plan matches none of the model's (untied) modules", ""
+    return why.split(", which")[0].split(" (")[0], ""
+
+
 def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *, command: str,
            timings: dict[str, Any]) -> str:
     """The compatibility page: command, versions, table, counts, failures, families, timings."""
@@ -164,18 +182,19 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
     import torch
     import transformers
 
-    settings = [s.name for s in SETTINGS if any(c.setting == s.name for c in cells)]
+    settings = [s.name for s in SETTINGS + EXTRA_SETTINGS if any(c.setting == s.name for c in cells)]
     by_key = {(c.family, c.setting): c for c in cells}
     lines = [
         "# Compatibility matrix",
         "",
-        "FSDP2 `prepare` on 2 CPU gloo ranks, with the plugin (`MemSafePlugin()`) and with stock accelerate's path",
+        "FSDP2 `prepare` on 2 CPU gloo ranks (4 for `tp`: FSDP 2 x TP 2 through accelerate's `ParallelismConfig`), with",
+        "the plugin (`MemSafePlugin()`) and with stock accelerate's path",
         "(`MemSafePlugin(stages=[])`, the same Accelerator class), for tiny random models of each architecture family.",
         "The stock path loads the model with transformers' `from_pretrained` on every rank (what a script without the",
         "plugin does; the `memsafe` loader's meta weights are filled by the plugin's stages only).",
         "A cell **passes** when every parameter and buffer gathered after `prepare` is bitwise equal to a plain",
         "single-process `from_pretrained` of the same checkpoint (bf16: to the stock result when stock runs), the loss",
-        "matches, ties are kept, one backward + AdamW step is finite, and both ranks agree.",
+        "matches, ties are kept, one backward + AdamW step is finite, and every rank agrees with rank 0.",
         "",
         f"Produced by `{command}` (see Timings; `--families llama,t5` runs a subset). The default test suite",
         "runs a reduced set that covers every setting and every family kind (`tests/conformance/test_conformance.py`).",
@@ -185,13 +204,14 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
         "",
         "## Settings",
         "",
-        "| setting | FullyShardedDataParallelPlugin(...) | mixed_precision | loader |",
-        "|---|---|---|---|",
+        "| setting | FullyShardedDataParallelPlugin(...) | mixed_precision | loader | ranks | ParallelismConfig(...) |",
+        "|---|---|---|---|---|---|",
     ]
-    for s in SETTINGS:
+    for s in SETTINGS + EXTRA_SETTINGS:
         if s.name in settings:
             kwargs = ", ".join(f"{k}={v!r}" for k, v in s.fsdp_kwargs().items())
-            lines.append(f"| `{s.name}` | `{kwargs}` | {s.mixed_precision} | {s.loader} |")
+            mesh = f"`{', '.join(f'{k}={v}' for k, v in s.parallelism)}`" if s.parallelism else "-"
+            lines.append(f"| `{s.name}` | `{kwargs}` | {s.mixed_precision} | {s.loader} | {s.world_size} | {mesh} |")
     lines += ["", "## Results", "", "Each cell: plugin outcome / stock outcome.", "",
               "| family | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
     for f in families:
@@ -216,6 +236,22 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
             by_reason.setdefault(c.stock_reason, []).append(c)
         for reason, group in by_reason.items():
             lines.append(f"- stock: {reason} — " + ", ".join(f"`{c.family}` × `{c.setting}`" for c in group))
+        lines.append("")
+    tp = [c for c in cells if c.facts.get("plugin", {}).get("tp") is not None]
+    if tp:
+        applied = [c for c in tp if not c.facts["plugin"]["tp"].get("tp_declined")]
+        lines += ["## Tensor parallelism: the plan applied or declined", "",
+                  f"Of the {len(tp)} `tp` cells the plugin ran, the model's TP plan was applied in {len(applied)} and "
+                  f"declined in {len(tp) - len(applied)} (FSDP over `dp_shard` only, as stock does), by reason:", ""]
+        lines.append("- applied (modules split over `tp`): " + ", ".join(
+            f"`{c.family}` ({c.facts['plugin']['tp'].get('tp_modules')})" for c in applied))
+        declined: dict[str, list[str]] = {}
+        for c in tp:
+            why = c.facts["plugin"]["tp"].get("tp_declined")
+            if why:
+                kind, detail = _reason_kind(why)
+                declined.setdefault(kind, []).append(f"`{c.family}`" + (f" ({detail})" if detail else ""))
+        lines += [f"- declined, {kind}: " + ", ".join(names) for kind, names in sorted(declined.items())]
         lines.append("")
     lines += ["## Families", "", "| family | auto class | parameters | kinds |", "|---|---|---|---|"]
     lines += [f"| {f.name} | {f.auto_class} | {f.num_params:,} | {', '.join(f.kinds)} |" for f in families]

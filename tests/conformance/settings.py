@@ -26,6 +26,18 @@ class Setting:
     ``"hf"``: ``AutoCls.from_pretrained`` on every rank."""
     efficient: bool = True
     """``cpu_ram_efficient_loading`` (needed by the memsafe loader: stock fills rank != 0 from rank 0)."""
+    parallelism: tuple[tuple[str, int], ...] = ()
+    """accelerate's ``ParallelismConfig`` sizes (empty: none, FSDP over every rank)."""
+    world_size: int = 2
+    """How many gloo ranks the cell runs on."""
+
+    def parallelism_config(self) -> Any:
+        """The ``ParallelismConfig`` of :attr:`parallelism`, or ``None``."""
+        if not self.parallelism:
+            return None
+        from accelerate.utils import ParallelismConfig
+
+        return ParallelismConfig(**dict(self.parallelism))
 
     def fsdp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``FullyShardedDataParallelPlugin``, as a user writes them."""
@@ -53,4 +65,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(name="hf-none", wrap=None, loader="hf", efficient=False),
 )
 
-BY_NAME = {s.name: s for s in SETTINGS}
+#: Settings run on request only (``--settings tp``), not in the page's default columns: 4 ranks, and only the
+#: families whose TP plan the plugin applies take part (:func:`~tests.conformance.families.tp_families`).
+EXTRA_SETTINGS: tuple[Setting, ...] = (
+    Setting(name="tp", parallelism=(("dp_shard_size", 2), ("tp_size", 2)), world_size=4),
+)
+
+BY_NAME = {s.name: s for s in SETTINGS + EXTRA_SETTINGS}

@@ -1,8 +1,9 @@
 """Conformance of FSDP2 ``prepare`` across architecture families (GitHub issue #11).
 
 By default a reduced set runs: every setting and every family kind at least once, all families in one
-2-rank spawn (about two minutes on 2 cores). The full matrix (``python -m tests.conformance``) is marked
-``conformance`` and skipped unless ``MEMSAFE_CONFORMANCE=1`` or ``-m conformance``.
+2-rank spawn, the 4-rank ``tp`` cells in a second (about two minutes on 2 cores). The full matrix
+(``python -m tests.conformance``) is marked ``conformance`` and skipped unless ``MEMSAFE_CONFORMANCE=1`` or
+``-m conformance``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ REDUCED = {
     "roberta-prelayernorm": ("tw",),  # _no_split_modules lists a cross-attention this config does not build
     "jetmoe": ("size",),  # the attention calls its experts' `map` / `reduce`, not their forward (read from the source)
     "gpt_neox_japanese": ("size",),  # the attention's forward returns its own bias parameter (read from the source)
+    "qwen2": ("tp",),  # FSDP x TP on 4 ranks: the plan applied, the tied embedding and head kept replicated over tp
+    "doge": ("tp",),  # a plan its forward does not run with (an unsplit per-head parameter): FSDP over dp_shard only
     "whisper": ("tw",),
 }
 CELLS = [(f, s) for f, settings in REDUCED.items() for s in settings]
@@ -54,6 +57,13 @@ def test_reduced_set_covers_every_setting_and_kind(reduced):
 def test_reduced_cell(reduced, family, setting):
     cell = reduced[1][(family, setting)]
     assert cell.outcome != matrix.FAIL, f"{family} x {setting}: {cell.reason} (stock: {cell.stock})"
+
+
+def test_the_tp_cells_apply_the_plan_where_the_forward_runs_with_it(reduced):
+    applied = reduced[1][("qwen2", "tp")].facts["plugin"]["tp"]
+    assert applied["tp_modules"] > 0 and "tp_declined" not in applied
+    declined = reduced[1][("doge", "tp")].facts["plugin"]["tp"]
+    assert declined["tp_modules"] == 0 and "does not run with its TP plan" in declined["tp_declined"]
 
 
 def _facts(plugin_error=None, problems=(), stock_error=None):

@@ -168,13 +168,18 @@ def _run_path(family: Family, setting: Setting, *, stages: list[str] | None, loa
     model = None
     try:
         fsdp_plugin = FullyShardedDataParallelPlugin(**setting.fsdp_kwargs())
+        extra = {"parallelism_config": setting.parallelism_config()} if setting.parallelism else {}
         accelerator = Accelerator(plugins=[MemSafePlugin(stages=stages)], fsdp_plugin=fsdp_plugin,
-                                  mixed_precision=setting.mixed_precision)
+                                  mixed_precision=setting.mixed_precision, **extra)
         model = _load(family, loader)
         ties_before = tie_groups(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         out["prepare_s"] = time.monotonic() - start
+        if setting.parallelism and stages is None:  # what the plugin did with the model's TP plan
+            shard = [r for r in accelerator.memsafe_plugin.report.records if r.stage == "shard" and r.status == "ran"]
+            details = shard[-1].details if shard else {}
+            out["tp"] = {k: details[k] for k in ("tp_modules", "tp_declined") if k in details}
         out["ties_before"], out["ties_after"] = ties_before, tie_groups(model)
         out["state"] = full_state(model)
         batch = make_batch(family)
@@ -221,6 +226,8 @@ def _judge(per_rank: list[dict[str, Any]], reference: dict[str, Any], setting: S
     """
     first = per_rank[0]
     facts: dict[str, Any] = {"elapsed": max(r["elapsed"] for r in per_rank), "error": None, "problems": []}
+    if "tp" in first:
+        facts["tp"] = first["tp"]
     errors = [(rank, r["error"]) for rank, r in enumerate(per_rank) if r["error"]]
     if errors:
         rank, error = errors[0]

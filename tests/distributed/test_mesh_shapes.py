@@ -80,6 +80,33 @@ def test_fsdp_x_tp_2x2_through_accelerate_prepare_is_bitwise_a_single_process_lo
     assert len({res["loss"] for res in results}) == 1
 
 
+def test_fsdp_x_tp_2x2_with_a_plan_the_plugin_declines_shards_over_dp_shard_only(small_llama_dir):
+    # a style torch has no counterpart of: the plan is declined, and FSDP shards over `dp_shard` only, as accelerate's
+    # own prepare does with a model no TP plan split (rank 0 still sends each rank its shard: the ranks along `tp` hold
+    # the same rows); before, the whole prepare was left to accelerate, which refused the weights on `meta`
+    results = run_on_ranks(
+        workers_prepare.prepare_llama, 4, init_process_group=False, timeout=240, model_dir=str(small_llama_dir),
+        track=True, full=True, parallelism={"dp_shard_size": 2, "tp_size": 2},
+        plugin_kwargs={"bucket_bytes": 256 * 1024, "load_source": "rank0"},
+        tp_plan={"layers.*.self_attn.q_proj": "packed_colwise"},
+    )
+    total = sum(4 * _numel(s) for s in results[0]["full_shapes"].values())
+    for rank, res in enumerate(results):
+        assert res["differs_from_single_process"] == [], f"rank {rank}"
+        assert set(res["placements"].values()) == {"(Shard(dim=0),)"}
+        ran = {r["stage"]: r for r in res["report"]["records"] if r["rank"] == rank and r["hook"] == "prepare"}
+        assert all(ran[s]["status"] == "ran" for s in ("meta_placement", "shard", "rank0_distribute", "buffer_init"))
+        shard = ran["shard"]["details"]
+        assert shard["tp_size"] == 2 and shard["tp_modules"] == 0 and "packed_colwise" in shard["tp_declined"]
+        assert abs(res["loss"] - res["single_process_loss"]) <= 1e-5, (res["loss"], res["single_process_loss"])
+        if rank:
+            full = {s for s in res["full_shapes"].values() if s[0] >= 2}
+            assert [a for a in res["allocs"] if a[1] in full and a[2] == 4 * _numel(a[1])] == [], f"rank {rank}"
+            received = ran["rank0_distribute"]["details"]["bytes_received"]
+            assert total / 2 <= received <= total / 2 * 1.05 + 16 * 1024, (received, total)  # its dp_shard half
+    assert len({res["loss"] for res in results}) == 1
+
+
 @pytest.mark.slow  # the Accelerator test above covers the same blocks (and cuts them into many buckets)
 def test_fsdp_x_tp_2x2_rank0_distribution_fills_every_block(tmp_path):
     results = run_on_ranks(workers_mesh.tp_distribute, 4, timeout=180, bucket_bytes=8 * 1024)

@@ -157,6 +157,7 @@ def prepare_llama(
     swap_on: int = 0,
     ranks_per_node: int | None = None,
     transport: str = "auto",
+    tp_plan: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Prepare a Llama checkpoint through the plugin; return shards, buffers, the loss, and (optionally)
     what the live-tensor tracker saw during ``prepare``, the mesh (``parallelism``: accelerate's
@@ -167,7 +168,8 @@ def prepare_llama(
     reference too when that is rank 0; ``other_checkpoint_on``: a rank that sees another checkpoint
     identity, as a node with its own copy of the files would; ``ranks_per_node``: the launcher's node index,
     ``GROUP_RANK``, as ``--num_machines`` would set it; ``transport="scatter"``: one ``scatter`` per bucket, the
-    transport of the backends other than gloo, here over gloo)."""
+    transport of the backends other than gloo, here over gloo; ``tp_plan``: the TP plan the model gets in place of
+    its own, on every rank)."""
     from transformers import AutoModelForCausalLM
 
     if ranks_per_node:
@@ -196,6 +198,8 @@ def prepare_llama(
                 model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    if tp_plan is not None:
+        model._tp_plan = dict(tp_plan)
     if edit and rank == edit_on:
         with torch.no_grad():
             model.get_parameter(edit).mul_(2)  # in place: the address stays the file's, the bytes do not

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
+from accelerate_memsafe.distributed import tensor_parallel
 from accelerate_memsafe.distributed.sharding import fsdp2_prepare_skip_reason
-from accelerate_memsafe.distributed.tensor_parallel import resolve_tp_plan
+from accelerate_memsafe.distributed.tensor_parallel import resolve_tp_plan, tp_plan_problem
 from accelerate_memsafe.distributed.topology import Nodes, node_key
 
 
@@ -58,9 +60,10 @@ def test_tied_modules_stay_replicated_and_say_so():
 ])
 def test_a_plan_the_plugin_cannot_apply_is_declined_with_its_reason(plan, says):
     assert says in resolve_tp_plan(Net(plan))[2]
+    assert says in tp_plan_problem(Net(plan), 2)
+    # the stages still run: FSDP over `dp_shard` only, as accelerate's own prepare does with such a model
     config = type("PC", (), {"tp_size": 2})()
-    reason = fsdp2_prepare_skip_reason(is_fsdp2=True, model=Net(plan), parallelism_config=config)
-    assert "tp_size=2" in reason and says in reason
+    assert fsdp2_prepare_skip_reason(is_fsdp2=True, model=Net(plan), parallelism_config=config) is None
 
 
 def test_a_model_the_plugin_can_parallelise_is_not_skipped():
@@ -85,3 +88,104 @@ def test_node_layout_is_agreed_through_one_all_gather():
             return ["node 1", "node 0", "node 1", "node 0"]
 
     assert find_nodes(Coll()).ranks == ((0, 2), (1, 3))
+
+
+class Runnable(Net):
+    """:class:`Net` with a forward and ``dummy_inputs`` (what transformers' models have); ``scale``: a parameter of
+    the up projection's width that the forward multiplies its output with, which no TP plan splits."""
+
+    def __init__(self, plan: dict[str, str], *, scale: bool = False, broken: bool = False) -> None:
+        super().__init__(plan)
+        self.scale = nn.Parameter(torch.ones(8)) if scale else None
+        self.broken = broken
+
+    @property
+    def dummy_inputs(self) -> dict[str, torch.Tensor]:
+        return {"ids": torch.tensor([[1, 2, 3]])}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        if self.broken:
+            h = h.view(7, -1)  # fails with or without the split
+        for block in self.layers:
+            up = block.up(h)
+            h = h + block.down(up * self.scale if self.scale is not None else up)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("tp", [2, 3])  # 3: uneven rows (3, 3, 2 of 8), two rank shapes rehearsed
+def test_a_plan_the_models_forward_runs_with_is_applied(tp):
+    assert tp_plan_problem(Runnable(PLAN), tp) is None
+
+
+def test_a_plan_the_models_forward_does_not_run_with_is_declined_naming_the_error():
+    problem = tp_plan_problem(Runnable(PLAN, scale=True), 2)
+    assert problem.startswith("the model's forward does not run with its TP plan split over tp=2 (rank 0's shapes")
+    assert "RuntimeError" in problem  # the forward's own error: 4 of the 8 up-projected features against 8 scales
+
+
+def test_a_forward_that_fails_on_meta_without_the_split_too_leaves_the_plan_unchecked_and_declined():
+    problem = tp_plan_problem(Runnable(PLAN, broken=True), 2)
+    assert problem.startswith("the plugin could not check the TP plan against the model's forward: it fails on `meta` "
+                              "without the split too")
+    assert "could not check" in tp_plan_problem(Net(PLAN), 2) and "dummy_inputs" in tp_plan_problem(Net(PLAN), 2)
+
+
+def test_a_planned_module_torchs_styles_do_not_apply_to_is_named():
+    model = Runnable({**PLAN, "layers.*": "colwise"})
+    assert "the TP plan names `layers.0`, a Block" in tp_plan_problem(model, 2)
+
+
+def test_the_rehearsal_leaves_the_model_as_it_was_and_runs_once_per_model(monkeypatch):
+    model = Runnable(PLAN, scale=True)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    calls = []
+    real = tensor_parallel.rehearse_tp_plan
+    monkeypatch.setattr(tensor_parallel, "rehearse_tp_plan", lambda *a: calls.append(a) or real(*a))
+    first = tp_plan_problem(model, 2)
+    assert tp_plan_problem(model, 2) == first and len(calls) == 1  # the stages ask several times per prepare
+    tp_plan_problem(model, 4)
+    assert len(calls) == 2  # another tp is another question
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    for n, (p, value) in before.items():
+        assert after[n] is p and p.device.type == "cpu" and torch.equal(p, value), n
+
+
+def _tiny(config_cls, model_cls, **overrides):
+    config = config_cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, **overrides)
+    torch.manual_seed(0)
+    return model_cls(config)
+
+
+def test_transformers_plans_that_the_models_forward_does_not_run_with_are_declined():
+    from transformers import DogeConfig, DogeForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    llama = _tiny(LlamaConfig, LlamaForCausalLM)
+    assert tp_plan_problem(llama, 2) is None
+    # 2 key/value heads over 4 ranks: half a head each
+    assert "does not run with its TP plan split over tp=4" in tp_plan_problem(llama, 4)
+    # Doge's plan splits the attention's heads but not `A`, the per-head parameter its forward multiplies them with
+    doge = _tiny(DogeConfig, DogeForCausalLM)
+    assert "does not run with its TP plan split over tp=2" in tp_plan_problem(doge, 2)
+
+
+def test_every_rank_applies_the_plan_or_none_does():
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.pipeline import ANNOUNCED_KEY, HookContext
+    from accelerate_memsafe.stages.shard import ShardStage
+
+    config = type("PC", (), {"tp_size": 2})()
+    stage = ShardStage(MemSafePlugin())
+    ctx = HookContext(hook="prepare", rank=0, world_size=2, device=torch.device("cpu"), options=stage.options,
+                      model=Runnable(PLAN), is_fsdp2=True, scratch={"parallelism_config": config})
+    assert stage.announce(ctx) == ("tp", None)  # what this rank sends with the preflight exchange
+    ctx.scratch[ANNOUNCED_KEY] = {"shard": [("tp", None), ("tp", None)]}
+    assert stage._agreed_tp_problem(ctx, 2) is None
+    # one rank's model differs (a user's edit on that rank only): no rank applies the plan, and the reason names it
+    ctx.scratch[ANNOUNCED_KEY] = {"shard": [("tp", None), ("tp", "the model's forward does not run with ...")]}
+    assert stage._agreed_tp_problem(ctx, 2) == "rank 1: the model's forward does not run with ..."
+    # without a tp dimension nothing is announced, and nothing is rehearsed
+    ctx.scratch["parallelism_config"] = type("PC", (), {"tp_size": 1})()
+    assert stage.announce(ctx) is None
