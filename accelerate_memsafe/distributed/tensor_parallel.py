@@ -171,10 +171,10 @@ def rehearse_tp_plan(model: torch.nn.Module, planned: dict[str, str], tp: int) -
     for rank in range(tp):
         layouts.setdefault(tuple(_local_shape(model.get_submodule(n), s, tp, rank) for n, s in planned.items()), rank)
     for shapes, rank in layouts.items():
-        skeleton = _meta_copy(model)
-        for name, shape in zip(planned, shapes):
-            _hold(skeleton.get_submodule(name), shape)
-        try:
+        try:  # the copy too: a model holding what cannot be copied (a lock, a process group) cannot be checked
+            skeleton = _meta_copy(model)
+            for name, shape in zip(planned, shapes):
+                _hold(skeleton.get_submodule(name), shape)
             with _quiet():
                 skeleton(**inputs)
         except Exception as exc:

@@ -189,3 +189,11 @@ def test_every_rank_applies_the_plan_or_none_does():
     # without a tp dimension nothing is announced, and nothing is rehearsed
     ctx.scratch["parallelism_config"] = type("PC", (), {"tp_size": 1})()
     assert stage.announce(ctx) is None
+
+
+def test_a_model_that_cannot_be_copied_is_declined_unchecked_not_raised():
+    import threading
+
+    model = Runnable(PLAN)
+    model.lock = threading.Lock()  # deepcopy cannot copy it
+    assert tp_plan_problem(model, 2).startswith("the plugin could not check the TP plan against the model's forward")
