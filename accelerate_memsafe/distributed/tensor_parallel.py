@@ -106,15 +106,15 @@ def _planned_styles(model: torch.nn.Module) -> tuple[dict[str, str], list[str], 
     return out, tied, None
 
 
-#: model -> ((tp, its planned modules), the verdict of :func:`tp_plan_problem`): the stages' skip checks and the
-#: ``shard`` stage ask it several times in one ``prepare``; the forward on ``meta`` runs once.
+#: model -> ((tp, its planned modules), the verdict of :func:`tp_plan_problem`): the ``shard`` stage asks it in the
+#: preflight (its announcement) and again when it shards; the forward on ``meta`` runs once.
 _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tp_plan_problem(model: torch.nn.Module, tp: int) -> str | None:
     """Why the model's TP plan cannot be applied over ``tp`` ranks (``None``: it can): :func:`resolve_tp_plan`'s
-    problem, else what :func:`rehearse_tp_plan` found. A function of the model's structure and ``tp`` only, so
-    the same on every rank.
+    problem, else what :func:`rehearse_tp_plan` found. A function of the model's structure and ``tp`` only (the
+    ``shard`` stage still agrees on it: no rank applies a plan that another declined).
 
     Example:
         >>> tp_plan_problem(torch.nn.Linear(2, 2), 2)

@@ -187,8 +187,8 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
     lines = [
         "# Compatibility matrix",
         "",
-        "FSDP2 `prepare` on 2 CPU gloo ranks (4 for `tp`: FSDP 2 x TP 2 through accelerate's `ParallelismConfig`), with",
-        "the plugin (`MemSafePlugin()`) and with stock accelerate's path",
+        "FSDP2 `prepare` on 2 CPU gloo ranks (4 for `tp` and `hsdp`: FSDP 2 x TP 2 and HSDP 2 x 2 through accelerate's",
+        "`ParallelismConfig`), with the plugin (`MemSafePlugin()`) and with stock accelerate's path",
         "(`MemSafePlugin(stages=[])`, the same Accelerator class), for tiny random models of each architecture family.",
         "The stock path loads the model with transformers' `from_pretrained` on every rank (what a script without the",
         "plugin does; the `memsafe` loader's meta weights are filled by the plugin's stages only).",
@@ -196,6 +196,9 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
         "single-process `from_pretrained` of the same checkpoint (bf16: to the stock result when stock runs), the loss",
         "matches, ties are kept, one backward + AdamW step is finite, and every rank agrees with rank 0.",
         "",
+        *(["Under `tp`, stock accelerate splits nothing of a model loaded without `tp_plan` (it warns, then shards with",
+           "FSDP over `dp_shard` only); the plugin applies the model's own TP plan where the model's forward runs with",
+           "it (see the section on tensor parallelism below), else shards as stock does.", ""] if "tp" in settings else []),
         f"Produced by `{command}` (see Timings; `--families llama,t5` runs a subset). The default test suite",
         "runs a reduced set that covers every setting and every family kind (`tests/conformance/test_conformance.py`).",
         "",
@@ -237,7 +240,8 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
         for reason, group in by_reason.items():
             lines.append(f"- stock: {reason} — " + ", ".join(f"`{c.family}` × `{c.setting}`" for c in group))
         lines.append("")
-    tp = [c for c in cells if c.facts.get("plugin", {}).get("tp") is not None]
+    tp = [c for c in cells if dict(BY_NAME[c.setting].parallelism).get("tp_size", 1) > 1
+          and c.facts.get("plugin", {}).get("tp") is not None]
     if tp:
         applied = [c for c in tp if not c.facts["plugin"]["tp"].get("tp_declined")]
         lines += ["## Tensor parallelism: the plan applied or declined", "",

@@ -20,7 +20,7 @@ REDUCED = {
     "llama3": ("hf-tw", "none", "ac"),
     "qwen3_moe": ("tw-bf16",),
     "mistral": ("tw", "ac"),  # ac: sliding-window layers write the KV cache (stock fails in backward)
-    "bert": ("size", "hf-none"),
+    "bert": ("size", "hf-none", "hsdp"),  # hsdp: 2 replicas of a 2-way FSDP on 4 ranks (stock fails: overlapping meshes)
     "bart": ("none-bf16",),
     "mamba": ("hf-tw-efficient",),
     "gpt2": ("offload",),

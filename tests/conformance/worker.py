@@ -176,7 +176,7 @@ def _run_path(family: Family, setting: Setting, *, stages: list[str] | None, loa
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         out["prepare_s"] = time.monotonic() - start
-        if setting.parallelism and stages is None:  # what the plugin did with the model's TP plan
+        if dict(setting.parallelism).get("tp_size", 1) > 1 and stages is None:  # what the plugin did with the TP plan
             shard = [r for r in accelerator.memsafe_plugin.report.records if r.stage == "shard" and r.status == "ran"]
             details = shard[-1].details if shard else {}
             out["tp"] = {k: details[k] for k in ("tp_modules", "tp_declined") if k in details}
