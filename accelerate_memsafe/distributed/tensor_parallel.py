@@ -14,8 +14,8 @@ per-head parameter its forward multiplies them with, and NeoMME's adds full-widt
 Before a plan is applied, :func:`tp_plan_problem` runs the model's forward once on ``meta`` (no memory, no compute)
 with each planned module at the shape one rank holds, as ``parallelize_module`` leaves it (torch's styles hand the
 module's neighbours plain local tensors); a plan the forward does not run with is declined with the error, and so
-is one it cannot check (a forward that fails on ``meta`` without the split too). A declined plan leaves the model
-to accelerate's own ``prepare``, as without the plugin.
+is one it cannot check (a forward that fails on ``meta`` without the split too). With a declined plan the ``shard``
+stage shards over ``dp_shard`` only, as accelerate's own ``prepare`` does with a model no plan split.
 """
 
 from __future__ import annotations
