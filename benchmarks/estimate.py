@@ -24,6 +24,12 @@ Cases (``--cases``, comma-separated; default: the matrix and ``moe-small-bf16-4`
   4 ranks, ``load_source`` ``auto`` / ``rank0`` / stock accelerate.
 * ``llama-fp32-2`` / ``-rank0`` / ``-stock``: a Llama (``250m``), fp32, 2 ranks.
 * ``moe-small-bf16-4``: a smaller Qwen3-MoE, the case the default test suite runs.
+* ``moe-small-bf16-hsdp4`` / ``-stock``: the smaller Qwen3-MoE on HSDP 2 × 2 (``ParallelismConfig(dp_replicate_size=2,
+  dp_shard_size=2)``): each rank holds half of every weight, not a quarter.
+* ``moe-small-bf16-tp4``: the same on FSDP 2 × TP 2 (``dp_shard_size=2, tp_size=2``), where the ``shard`` stage declines
+  Qwen3-MoE's TP plan (styles torch has no counterpart of) and FSDP shards over ``dp_shard`` only: half again.
+* ``llama-fp32-tp4``: a Llama (``100m``) on FSDP 2 × TP 2 with its TP plan applied, where the estimate takes each
+  rank's block as 1/4 of every weight (the norms, left whole by the plan, are held 1/2).
 * ``trivial-*``: the ``tiny`` Llama (107 k parameters) on which the estimate's fixed overheads were measured
   once (``FULLY_SHARD_OVERHEAD``, ``DISTRIBUTE_OVERHEAD`` in ``accelerate_memsafe/memory/estimate.py``);
   not part of the default matrix.
@@ -79,6 +85,25 @@ class Case:
     ranks: int
     load_source: str
     path: str = "memsafe"
+    dp_replicate: int = 1
+    tp: int = 1
+
+    @property
+    def parallelism(self) -> dict:
+        """accelerate's ``ParallelismConfig`` sizes (empty: FSDP over every rank)."""
+        if self.dp_replicate == 1 and self.tp == 1:
+            return {}
+        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.ranks // (self.dp_replicate * self.tp),
+                "tp_size": self.tp}
+
+    @property
+    def mesh(self) -> str:
+        """The mesh in the tables' words."""
+        if not self.parallelism:
+            return str(self.ranks)
+        sizes = self.parallelism
+        parts = [f"{k.removesuffix('_size')} {v}" for k, v in sizes.items() if v > 1]
+        return f"{self.ranks} ({' x '.join(parts)})"
 
 
 CASES = {c.name: c for c in (
@@ -89,6 +114,10 @@ CASES = {c.name: c for c in (
     Case("llama-fp32-2-rank0", "llama-250m", "fp32", 2, "rank0"),
     Case("llama-fp32-2-stock", "llama-250m", "fp32", 2, "auto", "stock"),
     Case("moe-small-bf16-4", "moe-small", "bf16", 4, "auto"),
+    Case("moe-small-bf16-hsdp4", "moe-small", "bf16", 4, "auto", dp_replicate=2),
+    Case("moe-small-bf16-hsdp4-stock", "moe-small", "bf16", 4, "auto", "stock", dp_replicate=2),
+    Case("moe-small-bf16-tp4", "moe-small", "bf16", 4, "auto", tp=2),
+    Case("llama-fp32-tp4", "llama-100m", "fp32", 4, "auto", tp=2),
     Case("trivial-fp32-2", "llama-tiny", "fp32", 2, "auto"),
     Case("trivial-bf16-4", "llama-tiny", "bf16", 4, "auto"),
     Case("trivial-bf16-4-rank0", "llama-tiny", "bf16", 4, "rank0"),
@@ -162,7 +191,12 @@ def _run(rank: int, case: Case, ckpt: str) -> dict:
     else:
         plugin = MemSafePlugin(load_source=case.load_source, memory_sample_interval_s=MEASURE_INTERVAL_S,
                                memory_trim_heap=True)
-    acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name)
+    extra = {}
+    if case.parallelism:
+        from accelerate.utils import ParallelismConfig
+
+        extra["parallelism_config"] = ParallelismConfig(**case.parallelism)
+    acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp_plugin, mixed_precision=mp_name, **extra)
     _warm_up(ckpt)
     dist.barrier()
     if case.path == "stock":
@@ -212,7 +246,8 @@ def estimate(case: Case, ckpt: Path) -> dict:
 
     dtype, mp_name = {"fp32": ("fp32", "no"), "bf16": ("bf16", "bf16")}[case.setting]
     argv = ["estimate", str(ckpt), "--num-processes", str(case.ranks), "--dtype", dtype, "--mixed-precision", mp_name,
-            "--load-source", case.load_source, "--json", "--budget-bytes", "1TiB"]
+            "--load-source", case.load_source, "--json", "--budget-bytes", "1TiB",
+            "--dp-replicate-size", str(case.dp_replicate), "--tp-size", str(case.tp)]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = cli(argv)
@@ -224,11 +259,14 @@ def estimate(case: Case, ckpt: Path) -> dict:
 def released(case: Case, ckpt: Path) -> int:
     """Bytes of private (converted) copies rank 0 frees while it scatters them (fused experts), from the same
     headers and config: how far below its estimate rank 0's ``rank0_distribute`` may measure."""
-    from accelerate_memsafe.memory.estimate import DTYPE_BYTES, layout, released_by_rank0, summarize_checkpoint
+    from accelerate_memsafe.memory.estimate import (DTYPE_BYTES, layout, mesh_blocks, released_by_rank0,
+                                                    summarize_checkpoint, tp_plan_declined)
 
     dtype, mp_name = {"fp32": ("fp32", "no"), "bf16": ("bf16", "bf16")}[case.setting]
+    applied = case.tp == 1 or tp_plan_declined(ckpt, case.tp) is None
     lay = layout(summarize_checkpoint(ckpt).tensors, world_size=case.ranks, load_bytes=DTYPE_BYTES[dtype],
-                 mixed_precision=mp_name)
+                 mixed_precision=mp_name, blocks=mesh_blocks(case.ranks, dp_replicate=case.dp_replicate, tp=case.tp,
+                                                             tp_applied=applied))
     return released_by_rank0(lay) if case.path == "memsafe" else 0
 
 
@@ -259,7 +297,7 @@ def compare(case: Case, predicted: dict, measured: list[dict], released_bytes: i
             else:
                 within = "NO"
             rows.append({
-                "case": case.name, "model": case.model, "setting": case.setting, "ranks": case.ranks,
+                "case": case.name, "model": case.model, "setting": case.setting, "ranks": case.ranks, "mesh": case.mesh,
                 "load_source": "stock accelerate" if case.path == "stock" else f"{case.load_source} ({used})",
                 "path": case.path, "rank": run["rank"], "stage": stage,
                 "estimated_mib": None if est is None else est / MIB, "measured_mib": got / MIB,
@@ -286,7 +324,7 @@ def markdown(doc: dict) -> str:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         est = "-" if r["estimated_mib"] is None else f"{r['estimated_mib']:.1f}"
         within = f"released (<= {r['released_mib']:.1f})" if r["within"] == "released" else r["within"]
-        lines.append(f"| {r['model']} | {_SETTING[r['setting']]} | {r['load_source']} | {r['ranks']} | {r['rank']} | "
+        lines.append(f"| {r['model']} | {_SETTING[r['setting']]} | {r['load_source']} | {r.get('mesh', r['ranks'])} | {r['rank']} | "
                      f"{r['stage']} | {est} | {r['measured_mib']:.1f} | {ratio} | {within} |")
     s = doc["summary"]
     lines += [

@@ -38,6 +38,11 @@ def add_parser(sub) -> None:
     p.add_argument("--budget-bytes", default=None, help="CPU memory of one node (default: detected MemAvailable)")
     p.add_argument("--load-source", default="auto", choices=("auto", "rank0", "node", "every_rank"),
                    help="the plugin's load_source (auto is predicted as every_rank: every rank sees the checkpoint)")
+    p.add_argument("--dp-replicate-size", "--dp_replicate_size", type=_positive_int, default=1,
+                   help="ParallelismConfig's dp_replicate_size (HSDP: each weight's shards are held that many times)")
+    p.add_argument("--tp-size", "--tp_size", type=_positive_int, default=1,
+                   help="ParallelismConfig's tp_size (whether the model's TP plan applies is checked as `prepare` "
+                        "checks it; a declined plan leaves FSDP over dp_shard only)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(run=run)
 
@@ -98,7 +103,7 @@ def num_processes(args: argparse.Namespace) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     import psutil
 
-    from ..memory.estimate import node_totals, predict, summarize_checkpoint, to_dicts
+    from ..memory.estimate import node_totals, predict, summarize_checkpoint, to_dicts, tp_plan_declined
     from ..sizes import parse_size
 
     if not Path(args.checkpoint).exists():
@@ -107,12 +112,19 @@ def run(args: argparse.Namespace) -> int:
     n, source = num_processes(args)
     bucket_bytes = parse_size(args.bucket_bytes, what="--bucket-bytes")
     budget = parse_size(args.budget_bytes, what="--budget-bytes") if args.budget_bytes else psutil.virtual_memory().available
+    if n % (args.dp_replicate_size * args.tp_size):
+        raise CliError(f"{n} processes (from {source}) do not divide into --dp-replicate-size {args.dp_replicate_size} x "
+                       f"--tp-size {args.tp_size} groups; give a number of processes that is a multiple of their product.")
     summary = summarize_checkpoint(args.checkpoint)
+    declined = tp_plan_declined(args.checkpoint, args.tp_size) if args.tp_size > 1 else None
     preds = predict(
         summary, num_processes=n, dtype=args.dtype, mixed_precision=args.mixed_precision,
         offload_optimizer=args.offload_optimizer, bucket_bytes=bucket_bytes, device=args.device, load_source=args.load_source,
-        cpu_offload=args.cpu_offload,
+        cpu_offload=args.cpu_offload, dp_replicate_size=args.dp_replicate_size, tp_size=args.tp_size,
+        tp_applied=declined is None,
     )
+    mesh = {"dp_replicate_size": args.dp_replicate_size, "dp_shard_size": n // (args.dp_replicate_size * args.tp_size),
+            "tp_size": args.tp_size, **({"tp_declined": declined} if args.tp_size > 1 and declined else {})}
     fits = {}
     for path in ("stock", "memsafe"):
         worst = max((cpu for cpu, _ in node_totals(preds, path).values()), default=0)
@@ -120,14 +132,21 @@ def run(args: argparse.Namespace) -> int:
     code = 0 if fits["memsafe"]["fits"] else CHECK_FAILED
     if args.json:
         print(json.dumps({"checkpoint": summary.to_dict(), "num_processes": n, "num_processes_from": source,
-                          "predictions": to_dicts(preds), "fits": fits}))
+                          "parallelism": mesh, "predictions": to_dicts(preds), "fits": fits}))
         return code
     mib = 2**20
     print(f"checkpoint {summary.path}: {summary.num_tensors} tensors, {summary.numel:,} elements, "
           f"{summary.checkpoint_bytes / mib:,.1f} MiB on disk; largest `{summary.largest_name}`; model tensors from "
           f"{summary.layout_from}")
     print(f"{n} processes (from {source}), load dtype {args.dtype}, mixed precision {args.mixed_precision}, "
-          f"device {args.device}\n")
+          f"device {args.device}")
+    if args.dp_replicate_size > 1 or args.tp_size > 1:
+        tp = ""
+        if args.tp_size > 1:
+            tp = (f" x tp {args.tp_size} (the model's TP plan applies)" if declined is None else
+                  f" x tp {args.tp_size}, TP plan declined ({declined}): FSDP over dp_shard only")
+        print(f"mesh: dp_replicate {mesh['dp_replicate_size']} x dp_shard {mesh['dp_shard_size']}{tp}")
+    print()
     print("| hook | stage | rank | path | CPU private MiB | CPU RSS MiB | device MiB |")
     print("|---|---|---|---|---|---|---|")
     for p in preds:

@@ -232,6 +232,23 @@ def _model_on_meta(path: str | os.PathLike):
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
+def tp_plan_declined(path: str | os.PathLike, tp: int) -> str | None:
+    """Why the ``shard`` stage would decline the TP plan of the model of checkpoint ``path`` over ``tp`` ranks
+    (``None``: it applies it): the stage's own check (:func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`)
+    on the model built on ``meta`` from ``config.json``.
+
+    Example:
+        >>> tp_plan_declined("/nonexistent", 2)
+        'the model cannot be built from the checkpoint (no config.json)'
+    """
+    model, why = _model_on_meta(path)
+    if model is None:
+        return f"the model cannot be built from the checkpoint ({why})"
+    from ..distributed.tensor_parallel import tp_plan_problem
+
+    return tp_plan_problem(model, tp)
+
+
 def tensors_of_model(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
     """The :class:`TensorSpec`\\ s of a model in memory (the preflight check), in the dtype it holds now."""
     out = []
@@ -248,8 +265,51 @@ def tensors_of_model(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
 
 
 @dataclass(frozen=True)
+class Blocks:
+    """How the ranks split every sharded weight: into ``count`` distinct blocks of dim-0 rows (FSDP's shard degree), rank
+    ``r`` holding block ``(r // stride) % count``. Plain FSDP: one block per rank. HSDP: ``dp_shard_size`` blocks,
+    each held by ``dp_replicate_size`` ranks. FSDP × TP with the plan declined: ``dp_shard_size`` blocks, each held by
+    the ``tp_size`` consecutive ranks of a TP group (accelerate's mesh order: ``dp_replicate``, ``dp_shard``, ``cp``,
+    ``tp``, the last varying fastest). See :func:`mesh_blocks`."""
+
+    count: int
+    stride: int = 1
+
+    def of(self, rank: int) -> int:
+        """The block ``rank`` holds."""
+        return (rank // self.stride) % self.count
+
+
+def mesh_blocks(world_size: int, *, dp_replicate: int = 1, tp: int = 1, tp_applied: bool = True) -> Blocks:
+    """The :class:`Blocks` of a run on ``world_size`` ranks with accelerate's ``ParallelismConfig`` sizes. With an
+    applied TP plan each rank's block is taken as 1/(``world_size`` / ``dp_replicate``) of every weight: the plan's
+    weights are split over ``dp_shard`` × ``tp`` (FSDP's dim 0 within TP's split); the few weights the plan leaves
+    whole (norms) are held 1/``dp_shard``, which this takes as ``tp`` times smaller than they are.
+
+    Raises:
+        ValueError: If ``world_size`` is not a multiple of ``dp_replicate × tp``.
+
+    Example:
+        >>> mesh_blocks(4, dp_replicate=2)  # HSDP 2 x 2: ranks 0 and 2 hold block 0, ranks 1 and 3 block 1
+        Blocks(count=2, stride=1)
+        >>> mesh_blocks(4, tp=2, tp_applied=False)  # FSDP 2 x TP 2, plan declined: ranks 0 and 1 hold block 0
+        Blocks(count=2, stride=2)
+        >>> mesh_blocks(4, tp=2).count  # the plan applied
+        4
+    """
+    n, dp_replicate, tp = max(1, world_size), max(1, dp_replicate), max(1, tp)
+    if n % (dp_replicate * tp):
+        raise ValueError(f"{n} processes do not divide into dp_replicate_size={dp_replicate} x tp_size={tp} groups: "
+                         "the number of processes must be a multiple of their product.")
+    if tp > 1 and not tp_applied:
+        return Blocks(n // (dp_replicate * tp), tp)
+    return Blocks(n // dp_replicate)
+
+
+@dataclass(frozen=True)
 class Layout:
-    """The tensors of one ``prepare`` on ``world_size`` ranks and the byte counts every term is made of."""
+    """The tensors of one ``prepare`` on ``world_size`` ranks and the byte counts every term is made of; ``blocks``:
+    how the ranks split each sharded weight (``None``: one block per rank)."""
 
     tensors: tuple[TensorSpec, ...]
     world_size: int
@@ -266,6 +326,16 @@ class Layout:
     """File bytes transformers maps zero-copy (stored under the tensor's name and shape in the load dtype)."""
     converted: int = 0
     """C: bytes of the load built in private memory, in the load dtype."""
+    blocks: Blocks | None = None
+
+    @property
+    def shards(self) -> int:
+        """Distinct blocks of a sharded weight (FSDP's shard degree): ``world_size`` unless :attr:`blocks` says."""
+        return self.blocks.count if self.blocks is not None else self.world_size
+
+    def block_of(self, rank: int) -> int:
+        """The block ``rank`` holds."""
+        return self.blocks.of(rank) if self.blocks is not None else rank
 
     def itemsize(self, t: TensorSpec) -> int:
         """Bytes per element of ``t`` in training: fp32 master weights under mixed precision."""
@@ -284,19 +354,23 @@ class Layout:
     def block_bytes(self, t: TensorSpec, itemsize: int | None = None) -> int:
         """One rank's padded block of ``t`` (its whole size when replicated)."""
         size = self.itemsize(t) if itemsize is None else itemsize
-        return (t.padded_rows(self.world_size) * t.row_numel if t.sharded else t.numel) * size
+        return (t.padded_rows(self.shards) * t.row_numel if t.sharded else t.numel) * size
 
 
-def layout(tensors: Iterable[TensorSpec], *, world_size: int, load_bytes: int, mixed_precision: str) -> Layout:
+def layout(tensors: Iterable[TensorSpec], *, world_size: int, load_bytes: int, mixed_precision: str,
+           blocks: Blocks | None = None) -> Layout:
     """Sums the tensors' bytes for ``world_size`` ranks, loaded with ``load_bytes`` per element and trained in
-    fp32 under mixed precision.
+    fp32 under mixed precision; ``blocks``: how the ranks split each weight (:func:`mesh_blocks`; ``None``: one
+    block per rank).
 
     Example:
         >>> lay = layout([TensorSpec("experts", (10, 4, 4), 2)], world_size=4, load_bytes=2, mixed_precision="bf16")
         >>> lay.shard, lay.full  # 3 padded rows of 16 fp32 on each rank; 160 fp32 in all
         (192, 640)
+        >>> layout(lay.tensors, world_size=4, load_bytes=2, mixed_precision="bf16", blocks=mesh_blocks(4, dp_replicate=2)).shard
+        320
     """
-    base = Layout(tuple(tensors), max(1, world_size), load_bytes, mixed_precision)
+    base = Layout(tuple(tensors), max(1, world_size), load_bytes, mixed_precision, blocks=blocks)
     shard = full = largest = mapped = converted = 0
     for t in base.tensors:
         nbytes = t.numel * base.itemsize(t)
@@ -308,7 +382,8 @@ def layout(tensors: Iterable[TensorSpec], *, world_size: int, load_bytes: int, m
             mapped += loaded
         else:
             converted += loaded
-    return Layout(base.tensors, base.world_size, load_bytes, mixed_precision, shard, full, largest, mapped, converted)
+    return Layout(base.tensors, base.world_size, load_bytes, mixed_precision, shard, full, largest, mapped, converted,
+                  blocks)
 
 
 @dataclass(frozen=True)
@@ -414,8 +489,9 @@ def staging_touched(lay: Layout, scattered: list[TensorSpec], *, budget: int, na
     items, wire = [], {}
     for i, t in enumerate(scattered):
         shape = t.shape or (1,)
+        blocks = row_boxes(shape, lay.shards)
         item = _Sharded(f"{i}:{t.name}", None, _DTYPE_OF_SIZE.get(lay.itemsize(t), torch.float64), shape,
-                        row_boxes(shape, n))
+                        [blocks[lay.block_of(r)] for r in range(n)])
         items.append(item)
         if narrow(t):
             wire[id(item)] = lay.source_itemsize(t)
@@ -572,6 +648,9 @@ def predict(
     device: str = "cpu",
     load_source: str = "auto",
     cpu_offload: bool = False,
+    dp_replicate_size: int = 1,
+    tp_size: int = 1,
+    tp_applied: bool = True,
 ) -> list[Prediction]:
     """Per-stage, per-rank predictions for the stock path and for the plugin.
 
@@ -587,12 +666,16 @@ def predict(
         load_source: The plugin's ``load_source``; ``"auto"`` is predicted as ``"every_rank"`` (what it
             chooses when every rank sees the checkpoint: one node, or a shared filesystem).
         cpu_offload: FSDP2 CPU offload: the shards stay in CPU memory on CUDA too.
+        dp_replicate_size, tp_size: accelerate's ``ParallelismConfig`` sizes (HSDP: ``dp_replicate_size`` > 1);
+            ``dp_shard_size`` is what the processes leave.
+        tp_applied: With ``tp_size`` > 1, whether the model's TP plan is applied (else FSDP shards over ``dp_shard``
+            only, and each rank holds ``tp_size`` times more): see :func:`mesh_blocks`.
 
     Returns:
         One :class:`Prediction` per (hook, stage, rank, path).
 
     Raises:
-        ValueError: For an unknown ``dtype``.
+        ValueError: For an unknown ``dtype``, or processes that do not divide into the parallelism sizes.
 
     Example:
         >>> s = CheckpointSummary("x", 2, 2_000_000, 8_000_000, "w", 1_000_000)
@@ -602,12 +685,14 @@ def predict(
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}.")
     n = max(1, num_processes)
-    lay = layout(_tensors(summary), world_size=n, load_bytes=DTYPE_BYTES[dtype], mixed_precision=mixed_precision)
+    blocks = mesh_blocks(n, dp_replicate=dp_replicate_size, tp=tp_size, tp_applied=tp_applied)
+    lay = layout(_tensors(summary), world_size=n, load_bytes=DTYPE_BYTES[dtype], mixed_precision=mixed_precision,
+                 blocks=blocks)
     on_device = device != "cpu" and not cpu_offload
     source = "every_rank" if load_source == "auto" else load_source
     upcast = mixed_precision != "no" and DTYPE_BYTES[dtype] != 4
-    state = 2 * sum(t.numel for t in lay.tensors if t.sharded) * 4 // n
-    largest_state = max((t.numel for t in lay.tensors if t.sharded), default=0) * 4 // n
+    state = 2 * sum(t.numel for t in lay.tensors if t.sharded) * 4 // lay.shards
+    largest_state = max((t.numel for t in lay.tensors if t.sharded), default=0) * 4 // lay.shards
     cpu_state = offload_optimizer or device == "cpu"
     # the per-rank profiles: rank 0 and the others differ; the others differ only in their rows (the last ranks hold
     # fewer of a tensor whose rows do not divide evenly), so up to 16 ranks each gets its own, beyond that the last
@@ -621,7 +706,9 @@ def predict(
         profiles[kind] = (stock_cpu, dist, meta_placement_peak(lay, rank=kind))
     out: list[Prediction] = []
     for rank in range(n):
-        stock_cpu, dist, meta = profiles[rank if rank in profiles else 1]
+        # beyond 16 ranks: the last rank's profile for the ranks that hold the last block (the fewest rows), else rank 1's
+        kind = rank if rank in profiles else (n - 1 if lay.block_of(rank) == lay.block_of(n - 1) else 1)
+        stock_cpu, dist, meta = profiles[kind]
         mapped_read = lay.mapped if (rank == 0 or upcast) else 0  # file pages stock reads through its mapping
         if on_device:
             cpu = stock_cpu - lay.shard

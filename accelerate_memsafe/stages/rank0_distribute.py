@@ -8,9 +8,10 @@ from ..distributed.collectives import Collectives
 from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless, in_place_verdict
 from ..distributed.scatter import distribute_from_rank0
 from ..distributed.topology import find_nodes
-from ..memory.estimate import distribute_peak, layout, tensors_of_model
+from ..memory.estimate import distribute_peak, layout, mesh_blocks, tensors_of_model
 from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY, MetaPlacementStage
+from .shard import ShardStage
 
 
 class Rank0DistributeStage(Stage):
@@ -41,7 +42,8 @@ class Rank0DistributeStage(Stage):
 
         tensors = tensors_of_model(ctx.model)
         load_bytes = max((t.file_itemsize for t in tensors if t.floating), default=4)
-        lay = layout(tensors, world_size=ctx.world_size, load_bytes=load_bytes, mixed_precision=ctx.mixed_precision)
+        lay = layout(tensors, world_size=ctx.world_size, load_bytes=load_bytes, mixed_precision=ctx.mixed_precision,
+                     blocks=self._blocks(ctx))
         on_device = ctx.device.type != "cpu" and not isinstance(getattr(ctx.fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
         # `auto` picks its source only when it runs: the larger of what each choice would need
         sources = ("every_rank", "rank0") if self.options.load_source == "auto" else (self.options.load_source,)
@@ -55,6 +57,27 @@ class Rank0DistributeStage(Stage):
             device_bytes=max(p.device for p in peaks),
             what=f"its shard of {lay.full / 2**30:.2f} GiB of weights plus the scatter buckets",
         )
+
+    @staticmethod
+    def _blocks(ctx: HookContext):
+        """How the ranks will split each weight: HSDP holds ``dp_shard_size`` blocks, each ``dp_replicate_size``
+        times; FSDP × TP with the plan declined, ``dp_shard_size`` blocks, each ``tp_size`` times (whether it is
+        declined: ``shard``'s verdicts in the preflight exchange, else this rank's own check)."""
+        pc = ctx.scratch.get("parallelism_config")
+        replicate, tp = (getattr(pc, "dp_replicate_size", 1) or 1), (getattr(pc, "tp_size", 1) or 1)
+        applied = True
+        if tp > 1:
+            verdicts = ctx.scratch.get(ANNOUNCED_KEY, {}).get(ShardStage.name)
+            if verdicts is not None and len(verdicts) == ctx.world_size and all(v is not None for v in verdicts):
+                applied = not any(v[1] for v in verdicts)
+            else:
+                from ..distributed.tensor_parallel import tp_plan_problem
+
+                applied = tp_plan_problem(ctx.model, tp) is None
+        try:
+            return mesh_blocks(ctx.world_size, dp_replicate=replicate, tp=tp, tp_applied=applied)
+        except ValueError:  # a mesh that does not fit the processes: accelerate refuses it before any stage runs
+            return None
 
     def skip_reason(self, ctx: HookContext) -> str | None:
         if ctx.scratch.get(IN_PLACE_KEY):  # set on every rank or on none

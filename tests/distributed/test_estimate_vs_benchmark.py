@@ -3,7 +3,9 @@
 The estimate's terms follow the code (accelerate_memsafe/memory/estimate.py); its only measured constants come
 from the trivial `tiny` Llama, which none of these cases uses. Default suite: one spawn of 4 ranks preparing a
 small Qwen3-MoE (fused experts padded by FSDP2, bf16 + mixed precision, `load_source="auto"`: every rank reads
-the mapped weights, rank 0 scatters the fused experts). `-m slow`: the whole matrix of docs/benchmarks.md.
+the mapped weights, rank 0 scatters the fused experts), and the same model on the two 2-D meshes where a rank holds
+a block per `dp_shard` rank, not per rank (HSDP 2 x 2; FSDP 2 x TP 2 with the plan declined). `-m slow`: the whole
+matrix of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -57,8 +59,19 @@ def test_estimate_predicts_a_4_rank_moe_prepare_rank_by_rank_and_stage_by_stage(
     assert sources == {"auto (every_rank+rank0)"}, "every rank reads the mapped weights, rank 0 scatters the fused experts"
 
 
+def test_estimate_predicts_hsdp_and_a_declined_tp_plan_from_the_blocks_a_rank_holds(tmp_path):
+    """4 ranks, 2 distinct blocks of every weight: each rank holds half, where the estimate took a quarter before
+    (it predicted 18-22 MiB for `rank0_distribute`, which measures 33-39 MiB here)."""
+    doc = _run(["moe-small-bf16-hsdp4", "moe-small-bf16-tp4"], tmp_path, timeout=600)
+    _check(doc, {"moe-small-bf16-hsdp4": 4, "moe-small-bf16-tp4": 4})
+    meshes = {r["case"]: r["mesh"] for r in doc["rows"]}
+    assert meshes == {"moe-small-bf16-hsdp4": "4 (dp_replicate 2 x dp_shard 2)", "moe-small-bf16-tp4": "4 (dp_shard 2 x tp 2)"}
+    declined = {m["stages"]["shard"]["details"].get("tp_declined") is not None for m in doc["measured"]["moe-small-bf16-tp4"]}
+    assert declined == {True}, "Qwen3-MoE's TP plan (styles torch has no counterpart of) is declined on every rank"
+
+
 @pytest.mark.slow
 def test_estimate_predicts_the_whole_matrix(tmp_path):
     cases = {"moe-bf16-4": 4, "moe-bf16-4-rank0": 4, "moe-bf16-4-stock": 4, "llama-fp32-2": 2, "llama-fp32-2-rank0": 2,
-             "llama-fp32-2-stock": 2}
+             "llama-fp32-2-stock": 2, "moe-small-bf16-hsdp4-stock": 4, "llama-fp32-tp4": 4}
     _check(_run(list(cases), tmp_path, timeout=600), cases)

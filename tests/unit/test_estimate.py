@@ -14,6 +14,7 @@ from accelerate_memsafe.memory.estimate import (
     CheckpointSummary,
     TensorSpec,
     layout,
+    mesh_blocks,
     predict,
     released_by_rank0,
     summarize_checkpoint,
@@ -130,6 +131,50 @@ def test_predictions_follow_the_mechanisms():
         predict(s, num_processes=2, dtype="int3")
 
 
+def test_hsdp_and_a_declined_tp_plan_hold_a_block_per_dp_shard_not_per_rank():
+    """HSDP 2 x 2 and FSDP 2 x TP 2 with the plan declined: 4 ranks, 2 distinct blocks of each weight, each held twice.
+    The old estimate took 1/4 of every weight per rank: half of what a rank holds."""
+    w = TensorSpec("w", (10, 2**20), 4)  # 40 MiB of fp32, 10 rows of 4 MiB
+    s = _summary(w)
+    plain = _by_stage(predict(s, num_processes=4, load_source="rank0"))
+    hsdp = _by_stage(predict(s, num_processes=4, load_source="rank0", dp_replicate_size=2))
+    declined = _by_stage(predict(s, num_processes=4, load_source="rank0", tp_size=2, tp_applied=False))
+    applied = _by_stage(predict(s, num_processes=4, load_source="rank0", tp_size=2))
+    quarter, half = 3 * 4 * MIB, 5 * 4 * MIB  # 10 rows padded to 3 per block of 4, 5 per block of 2
+    for rank in (1, 2, 3):
+        assert plain[("rank0_distribute", rank)].cpu_anon_bytes == quarter + DISTRIBUTE_OVERHEAD
+        assert hsdp[("rank0_distribute", rank)].cpu_anon_bytes == half + DISTRIBUTE_OVERHEAD
+        assert declined[("rank0_distribute", rank)].cpu_anon_bytes == half + DISTRIBUTE_OVERHEAD
+        assert applied[("rank0_distribute", rank)].cpu_anon_bytes == quarter + DISTRIBUTE_OVERHEAD
+    # stock holds the same blocks; the resumed AdamW state is two fp32 moments of a rank's block
+    stock = _by_stage(predict(s, num_processes=4, dp_replicate_size=2), path="stock")
+    assert stock[("accelerate.prepare", 0)].cpu_anon_bytes == half + FULLY_SHARD_OVERHEAD
+    resume = _by_stage(predict(s, num_processes=4, dp_replicate_size=2), hook="load_state")
+    assert resume[("optimizer_cpu_reload", 3)].cpu_anon_bytes == 2 * 20 * MIB + 20 * MIB
+    # which rank holds which block: HSDP repeats the blocks across replicas, a declined TP plan within a TP group
+    assert [mesh_blocks(4, dp_replicate=2).of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [mesh_blocks(4, tp=2, tp_applied=False).of(r) for r in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(ValueError, match="multiple of their product"):
+        predict(s, num_processes=6, dp_replicate_size=4)
+
+
+def test_staging_buffers_follow_the_block_a_rank_holds():
+    """On gloo a bf16 row widened into an fp32 shard arrives in a staging buffer: a rank's pieces are those of the
+    block it holds, so under HSDP the last rank (block 1 of 2) receives 4 of 9 rows where on plain FSDP it receives
+    the 0 rows left for block 3 of 4 (rows 9.. of 9, padded)."""
+    from accelerate_memsafe.memory.estimate import staging_touched
+
+    t = TensorSpec("w", (9, 1024), 2)
+    kw = dict(load_bytes=2, mixed_precision="bf16")
+    plain = layout([t], world_size=4, **kw)
+    hsdp = layout([t], world_size=4, blocks=mesh_blocks(4, dp_replicate=2), **kw)
+    narrow = lambda _: True  # noqa: E731
+    assert staging_touched(plain, list(plain.tensors), budget=1 << 20, narrow=narrow, rank=3) == 0
+    assert staging_touched(hsdp, list(hsdp.tensors), budget=1 << 20, narrow=narrow, rank=3) == 2 * 4096  # 4 rows of 1024 bf16
+    assert staging_touched(hsdp, list(hsdp.tensors), budget=1 << 20, narrow=narrow, rank=2) == \
+        staging_touched(hsdp, list(hsdp.tensors), budget=1 << 20, narrow=narrow, rank=0)
+
+
 def test_cuda_keeps_the_shards_on_the_device_unless_cpu_offload():
     s = _summary(TensorSpec("w", (1024, 1024), 4))
     cuda = _by_stage(predict(s, num_processes=2, device="cuda", load_source="rank0"))
@@ -160,6 +205,33 @@ def test_the_preflight_estimates_count_fp32_master_weights_padding_and_the_pagem
     assert MetaPlacementStage(plugin).estimate(ctx).cpu_bytes == 53 * (20 * MIB // 4096)
 
 
+def test_the_preflight_estimate_holds_a_block_per_dp_shard_under_hsdp_and_a_declined_tp_plan():
+    """The stage's own estimate reads the mesh from the accelerator's ParallelismConfig, and whether the TP plan is
+    applied from the `shard` stage's verdicts in the preflight exchange: 10 rows over 2 blocks is 5 per rank."""
+    from accelerate.utils import ParallelismConfig
+
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.pipeline import ANNOUNCED_KEY, HookContext
+    from accelerate_memsafe.stages.rank0_distribute import Rank0DistributeStage
+
+    model = torch.nn.Linear(2**20, 10, bias=False)  # 10 fp32 rows of 4 MiB
+    stage = Rank0DistributeStage(MemSafePlugin(load_source="rank0"))
+
+    def estimate(pc, verdicts=None):
+        ctx = HookContext(hook="prepare", rank=1, world_size=4, device=torch.device("cpu"), options=stage.options,
+                          model=model, is_fsdp2=True, mixed_precision="no",
+                          scratch={"parallelism_config": pc, **({ANNOUNCED_KEY: {"shard": verdicts}} if verdicts else {})})
+        return stage.estimate(ctx).cpu_bytes - DISTRIBUTE_OVERHEAD
+
+    assert estimate(None) == 3 * 4 * MIB
+    assert estimate(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)) == 5 * 4 * MIB
+    tp = ParallelismConfig(dp_shard_size=2, tp_size=2)
+    assert estimate(tp, [("tp", None)] * 4) == 3 * 4 * MIB, "every rank applies the plan: 1/4 of the weight"
+    assert estimate(tp, [("tp", None)] * 3 + [("tp", "rank 3 declined it")]) == 5 * 4 * MIB
+    # without the exchange's verdicts the stage asks the same check itself (a bare Linear has no TP plan)
+    assert estimate(tp) == 5 * 4 * MIB
+
+
 def test_estimate_command_prints_tables_and_json(tiny_llama_dir, capsys):
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "2"]) == 0
     out = capsys.readouterr().out
@@ -171,3 +243,28 @@ def test_estimate_command_prints_tables_and_json(tiny_llama_dir, capsys):
     assert data["checkpoint"]["layout_from"] == "LlamaForCausalLM on meta"
     stages = {(p["stage"], p["rank"]) for p in data["predictions"] if p["path"] == "memsafe"}
     assert {("meta_placement", 0), ("shard", 1), ("rank0_distribute", 0), ("buffer_init", 1), ("accelerate.prepare", 1)} <= stages
+
+
+def test_estimate_command_takes_the_mesh_and_checks_the_tp_plan_as_prepare_does(tiny_llama_dir, capsys):
+    from accelerate_memsafe.memory.estimate import tp_plan_declined
+
+    assert main(["estimate", str(tiny_llama_dir), "--num-processes", "4", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["estimate", str(tiny_llama_dir), "--num-processes", "4", "--dp-replicate-size", "2", "--json"]) == 0
+    hsdp = json.loads(capsys.readouterr().out)
+    assert hsdp["parallelism"] == {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1}
+
+    def held(doc, rank):
+        return next(p["cpu_anon_bytes"] for p in doc["predictions"]
+                    if p["path"] == "memsafe" and p["stage"] == "rank0_distribute" and p["rank"] == rank)
+
+    assert held(hsdp, 3) > held(plain, 3), "each rank of HSDP 2 x 2 holds half of every weight, not a quarter"
+    # the TP plan is checked as the `shard` stage checks it (the same function, on the model built on meta)
+    assert main(["estimate", str(tiny_llama_dir), "--num-processes", "4", "--tp-size", "2"]) == 0
+    out = capsys.readouterr().out
+    why = tp_plan_declined(tiny_llama_dir, 2)
+    assert "mesh: dp_replicate 1 x dp_shard 2 x tp 2" in out
+    assert ("(the model's TP plan applies)" in out) if why is None else (f"TP plan declined ({why})" in out)
+    assert main(["estimate", str(tiny_llama_dir), "--num-processes", "6", "--tp-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "6 processes" in err and "--tp-size 4" in err and "multiple of their product" in err
