@@ -15,8 +15,10 @@ the checkpoint's tensors are taken as the parameters.
 With N ranks, B = ``bucket_bytes``, k = ``prefetch_buckets``, b = max(16·N, B // (k + 2)) (one bucket's
 budget), every size in the training dtype (fp32 under mixed precision):
 
-* shard: each parameter's dim-0 chunk padded to ceil(rows / N) rows, as FSDP2 stores it on every rank
-  (10 experts on 4 ranks: 3 rows on each), plus the replicated tensors (persistent buffers);
+* shard: each parameter's dim-0 chunk padded to ceil(rows / S) rows, as FSDP2 stores it on every rank
+  (10 experts on 4 ranks: 3 rows on each), plus the replicated tensors (persistent buffers); S, the distinct
+  blocks of a weight, is N but on a 2-D mesh (:func:`mesh_blocks`): ``dp_shard_size`` under HSDP and under
+  FSDP × TP with the plan declined, each block held by ``dp_replicate_size`` (``tp_size``) ranks;
 * P: every tensor; T: the largest; C: what the load built in private memory (in the load dtype).
 
 Per stage, rank 0 / the other ranks:
