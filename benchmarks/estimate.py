@@ -57,8 +57,11 @@ from pathlib import Path
 
 from prepare import MIB, spawn
 
-#: Stages whose figures are compared (the plugin's prepare stages and accelerate's own call).
-STAGES = ("meta_placement", "shard", "rank0_distribute", "buffer_init", "accelerate.prepare")
+#: Stages whose figures are compared (the plugin's prepare stages and accelerate's own call; for a resume, the
+#: optimizer's reload, and accelerate's own load_state, which the estimate predicts for stock only: with the plugin it
+#: loads everything but the optimizer, which the estimate does not model).
+STAGES = ("meta_placement", "shard", "rank0_distribute", "buffer_init", "accelerate.prepare", "optimizer_cpu_reload",
+          "accelerate.load_state")
 #: Relative tolerance of the comparison.
 TOLERANCE = 0.25
 #: Absolute resolution of the comparison, in bytes: a stage within this of its measurement agrees whatever
@@ -87,6 +90,8 @@ class Case:
     path: str = "memsafe"
     dp_replicate: int = 1
     tp: int = 1
+    hook: str = "prepare"
+    """``"load_state"``: a resume, measured in fresh processes that load the state another launch saved."""
 
     @property
     def parallelism(self) -> dict:
@@ -118,6 +123,10 @@ CASES = {c.name: c for c in (
     Case("moe-small-bf16-hsdp4-stock", "moe-small", "bf16", 4, "auto", "stock", dp_replicate=2),
     Case("moe-small-bf16-tp4", "moe-small", "bf16", 4, "auto", tp=2),
     Case("llama-fp32-tp4", "llama-100m", "fp32", 4, "auto", tp=2),
+    Case("moe-small-bf16-4-resume", "moe-small", "bf16", 4, "auto", hook="load_state"),
+    Case("moe-small-bf16-4-resume-stock", "moe-small", "bf16", 4, "auto", "stock", hook="load_state"),
+    Case("llama-fp32-2-resume", "llama-250m", "fp32", 2, "auto", hook="load_state"),
+    Case("llama-fp32-2-resume-stock", "llama-250m", "fp32", 2, "auto", "stock", hook="load_state"),
     Case("trivial-fp32-2", "llama-tiny", "fp32", 2, "auto"),
     Case("trivial-bf16-4", "llama-tiny", "bf16", 4, "auto"),
     Case("trivial-bf16-4-rank0", "llama-tiny", "bf16", 4, "rank0"),
@@ -161,18 +170,21 @@ def checkpoint(cache: Path, model: str, setting: str) -> Path:
     return path
 
 
-def _worker(rank: int, port: int, world: int, case: Case, ckpt: str, queue) -> None:
+def _worker(rank: int, port: int, world: int, case: Case, ckpt: str, state: str | None, queue) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )
     try:
-        queue.put((rank, "ok", _run(rank, case, ckpt)))
+        queue.put((rank, "ok", _run(rank, case, ckpt, state)))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _run(rank: int, case: Case, ckpt: str) -> dict:
+def _run(rank: int, case: Case, ckpt: str, state: str | None = None) -> dict:
+    """One rank of ``case``: ``prepare`` measured; for a resume (``case.hook == "load_state"``), with ``state`` a
+    directory: the first launch (``state`` not there yet) trains one step and saves it, the second loads it into a
+    fresh optimizer (no state yet, as a restarted job has) and that ``load_state`` is measured."""
     import torch
     import torch.distributed as dist
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -206,9 +218,20 @@ def _run(rank: int, case: Case, ckpt: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, opt = acc.prepare(model, opt)
     dist.barrier()
+    if case.hook == "load_state":
+        if not os.path.isdir(state):
+            ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+            acc.save_state(state)
+            acc.wait_for_everyone()
+            return {"rank": rank, "stages": {}}
+        acc.load_state(state)
+        dist.barrier()
     stages = {}
     for r in plugin.report.records:
-        if r.hook != "prepare" or r.stage not in STAGES:
+        if r.hook != case.hook or r.stage not in STAGES:
             continue
         measured = r.cpu_anon_peak_bytes is not None and r.cpu_anon_start_bytes is not None
         stages[r.stage] = {
@@ -275,7 +298,7 @@ def compare(case: Case, predicted: dict, measured: list[dict], released_bytes: i
     ``25%``, ``floor``, ``released`` (rank 0's ``rank0_distribute`` over-estimated by no more than the private
     copies it frees, ``released_bytes``: not within the acceptance, reported as such), or ``NO``. A stage that ran
     without a prediction is a row that does not agree."""
-    preds = {(p["stage"], p["rank"]): p for p in predicted["predictions"] if p["path"] == case.path and p["hook"] == "prepare"}
+    preds = {(p["stage"], p["rank"]): p for p in predicted["predictions"] if p["path"] == case.path and p["hook"] == case.hook}
     used = next((m["load_source"] for run in measured for st, m in run["stages"].items() if m.get("load_source")), None)
     rows = []
     for run in measured:
@@ -284,6 +307,8 @@ def compare(case: Case, predicted: dict, measured: list[dict], released_bytes: i
             if m is None or m["status"] != "ran" or m["anon_bytes"] is None:
                 continue
             p = preds.get((stage, run["rank"]))
+            if p is None and case.hook != "prepare":
+                continue  # accelerate's own load_state beside the plugin's stage: loads what the estimate does not model
             got = max(0, m["anon_bytes"])
             est = p["cpu_anon_bytes"] if p is not None else None
             if est is None:
@@ -298,7 +323,8 @@ def compare(case: Case, predicted: dict, measured: list[dict], released_bytes: i
                 within = "NO"
             rows.append({
                 "case": case.name, "model": case.model, "setting": case.setting, "ranks": case.ranks, "mesh": case.mesh,
-                "load_source": "stock accelerate" if case.path == "stock" else f"{case.load_source} ({used})",
+                "load_source": ("stock accelerate" if case.path == "stock" else f"{case.load_source} ({used})")
+                if case.hook == "prepare" else f"resume: {'stock accelerate' if case.path == 'stock' else 'plugin'}",
                 "path": case.path, "rank": run["rank"], "stage": stage,
                 "estimated_mib": None if est is None else est / MIB, "measured_mib": got / MIB,
                 "ratio": est / got if est is not None and got else None, "within": within,
@@ -339,11 +365,18 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _moves_state(row: dict) -> bool:
+    """Whether the row's stage moves the weights or the optimizer state: ``rank0_distribute`` and
+    ``optimizer_cpu_reload``, and stock's ``accelerate.prepare`` and ``accelerate.load_state``."""
+    if row["stage"] in ("rank0_distribute", "optimizer_cpu_reload"):
+        return True
+    return row["path"] == "stock" and row["stage"] in ("accelerate.prepare", "accelerate.load_state")
+
+
 def summarize(rows: list[dict]) -> dict:
     """Counts per rule, and the range of the ratios of the stages that move weights (``rank0_distribute``, stock's
     ``accelerate.prepare``)."""
-    moving_rows = [r for r in rows if r["ratio"] is not None
-                   and (r["stage"] == "rank0_distribute" or (r["path"] == "stock" and r["stage"] == "accelerate.prepare"))]
+    moving_rows = [r for r in rows if r["ratio"] is not None and _moves_state(r)]
     moving = [r["ratio"] for r in moving_rows]
     return {
         "moving_within_25": sum(r["within"] == "25%" for r in moving_rows),
@@ -378,7 +411,13 @@ def main(argv: list[str] | None = None) -> dict:
         case = CASES[name]
         ckpt = checkpoint(cache, case.model, case.setting)
         predicted = estimate(case, ckpt)
-        measured = spawn(_worker, case.ranks, (case.ranks, case, str(ckpt)), args.timeout, name)
+        if case.hook == "load_state":  # one launch saves a step's state, fresh processes load it (a restarted job)
+            with tempfile.TemporaryDirectory(prefix="memsafe-estimate-resume-") as work:
+                state = os.path.join(work, "state")
+                spawn(_worker, case.ranks, (case.ranks, case, str(ckpt), state), args.timeout, f"{name} (save)")
+                measured = spawn(_worker, case.ranks, (case.ranks, case, str(ckpt), state), args.timeout, name)
+        else:
+            measured = spawn(_worker, case.ranks, (case.ranks, case, str(ckpt), None), args.timeout, name)
         doc["rows"] += compare(case, predicted, measured, released(case, ckpt))
         doc.setdefault("measured", {})[name] = measured
     doc["summary"] = summarize(doc["rows"])

@@ -61,8 +61,9 @@ before each stage, and ``benchmarks/estimate.py`` measures with it.
   precision upcasts a lower-precision load (fp32 copies of every weight on every rank, kept until the end of
   accelerate's prepare; the private low-precision copies they replace are freed); ranks > 0 receive each whole
   tensor (T) and ``distribute_tensor`` splits it (up to another T of chunks and output).
-* ``load_state``: AdamW state S = 2·P(fp32)/N; stock holds the old and the new (2·S), the plugin S + the
-  largest state tensor / N.
+* ``load_state`` (a resume: the optimizer has no state yet): AdamW state S = two fp32 moments of every element of
+  the rows a rank holds (unpadded: the last ranks of a tensor whose rows do not divide evenly hold fewer); stock holds
+  the loaded state and the optimizer's copy of it (2·S), the plugin S + its largest state tensor.
 
 ``node``: any rank may lead its node and stage its node's buckets, so every rank gets rank 0's figure. On
 CUDA (without CPU offload) the shard, ring and receive buffer are device memory; the CPU keeps the chunks.
@@ -352,6 +353,21 @@ class Layout:
     def source_itemsize(self, t: TensorSpec) -> int:
         """Bytes per element of rank 0's copy of ``t`` (the load dtype)."""
         return self.load_bytes if t.floating else (t.file_itemsize or 8)
+
+    def held_numel(self, t: TensorSpec, rank: int) -> int:
+        """Elements of ``t`` that ``rank`` holds, unpadded (its block's rows, ``torch.chunk``'s: the last blocks hold
+        fewer, or none); the whole of a replicated tensor. What an optimizer's state of the sharded parameter holds.
+
+        Example:
+            >>> lay = layout([TensorSpec("experts", (10, 4, 4), 2)], world_size=4, load_bytes=2, mixed_precision="bf16")
+            >>> [lay.held_numel(lay.tensors[0], r) // 16 for r in range(4)]  # 10 rows over 4 ranks
+            [3, 3, 3, 1]
+        """
+        if not t.sharded:
+            return t.numel
+        c = -(-t.rows // self.shards)
+        b = self.block_of(rank)
+        return max(0, min((b + 1) * c, t.rows) - min(b * c, t.rows)) * t.row_numel
 
     def block_bytes(self, t: TensorSpec, itemsize: int | None = None) -> int:
         """One rank's padded block of ``t`` (its whole size when replicated)."""
@@ -693,8 +709,6 @@ def predict(
     on_device = device != "cpu" and not cpu_offload
     source = "every_rank" if load_source == "auto" else load_source
     upcast = mixed_precision != "no" and DTYPE_BYTES[dtype] != 4
-    state = 2 * sum(t.numel for t in lay.tensors if t.sharded) * 4 // lay.shards
-    largest_state = max((t.numel for t in lay.tensors if t.sharded), default=0) * 4 // lay.shards
     cpu_state = offload_optimizer or device == "cpu"
     # the per-rank profiles: rank 0 and the others differ; the others differ only in their rows (the last ranks hold
     # fewer of a tensor whose rows do not divide evenly), so up to 16 ranks each gets its own, beyond that the last
@@ -723,6 +737,9 @@ def predict(
         out.append(Prediction("prepare", "buffer_init", rank, "memsafe", 0, 0, 0))
         out.append(Prediction("prepare", "accelerate.prepare", rank, "memsafe", 0, 0, 0))
         # optimizer state (AdamW: two fp32 moments per trainable element)
+        # the AdamW state of this rank's rows (two fp32 moments per element; unpadded: the last ranks hold fewer rows)
+        held = [lay.held_numel(t, rank) for t in lay.tensors if t.sharded]
+        state, largest_state = 2 * 4 * sum(held), 4 * max(held, default=0)
         for path, peak in (("stock", 2 * state), ("memsafe", state + largest_state)):
             stage = "accelerate.load_state" if path == "stock" else "optimizer_cpu_reload"
             if path == "stock" and offload_optimizer and device != "cpu":

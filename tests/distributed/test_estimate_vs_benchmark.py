@@ -4,8 +4,8 @@ The estimate's terms follow the code (accelerate_memsafe/memory/estimate.py); it
 from the trivial `tiny` Llama, which none of these cases uses. Default suite: one spawn of 4 ranks preparing a
 small Qwen3-MoE (fused experts padded by FSDP2, bf16 + mixed precision, `load_source="auto"`: every rank reads
 the mapped weights, rank 0 scatters the fused experts), and the same model on the two 2-D meshes where a rank holds
-a block per `dp_shard` rank, not per rank (HSDP 2 x 2; FSDP 2 x TP 2 with the plan declined). `-m slow`: the whole
-matrix of docs/benchmarks.md.
+a block per `dp_shard` rank, not per rank (HSDP 2 x 2; FSDP 2 x TP 2 with the plan declined), and its resume
+(`load_state` in fresh processes, with the plugin and stock). `-m slow`: the whole matrix of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,12 +38,15 @@ def _check(doc: dict, expected: dict[str, int]) -> None:
     rows = doc["rows"]
     for case, ranks in expected.items():
         got = {(r["rank"], r["stage"]) for r in rows if r["case"] == case}
-        stages = {"accelerate.prepare"} if case.endswith("-stock") else STAGES
+        if "-resume" in case:  # the optimizer's reload (stock: accelerate's whole load_state)
+            stages = {"accelerate.load_state"} if case.endswith("-stock") else {"optimizer_cpu_reload"}
+        else:
+            stages = {"accelerate.prepare"} if case.endswith("-stock") else STAGES
         assert got == {(rank, s) for rank in range(ranks) for s in stages}, f"{case}: rows for {sorted(got)}"
     # the weight-moving stages are decided by the 25% rule, never by the few-MiB floor, on every rank: the benchmark
     # trims the heap before each stage (`memory_trim_heap`), so rank 0 no longer measures below its estimate where it
     # reuses memory freed before the stage (the `released` slack this test allowed rank 0 before)
-    moving = [r for r in rows if r["stage"] == "rank0_distribute" or r["path"] == "stock"]
+    moving = [r for r in rows if r["stage"] in ("rank0_distribute", "optimizer_cpu_reload") or r["path"] == "stock"]
     off = [(r["case"], r["rank"], r["stage"], r["estimated_mib"], r["measured_mib"], r["within"]) for r in moving
            if r["within"] != "25%"]
     assert moving and not off, f"weight-moving rows (estimated, measured MiB) outside 25%: {off}"
@@ -70,8 +73,22 @@ def test_estimate_predicts_hsdp_and_a_declined_tp_plan_from_the_blocks_a_rank_ho
     assert declined == {True}, "Qwen3-MoE's TP plan (styles torch has no counterpart of) is declined on every rank"
 
 
+def test_estimate_predicts_a_resume_rank_by_rank(tmp_path):
+    """A restarted job's `load_state` (fresh processes, an optimizer with no state yet), 4 ranks: the plugin reads the
+    AdamW state of a rank's rows straight into new tensors (S plus its largest tensor), stock holds the loaded state
+    and the optimizer's copy of it (2 S). The last rank holds 1 of the 10 expert rows the others hold 3 of: its
+    state is smaller, and predicted so."""
+    doc = _run(["moe-small-bf16-4-resume", "moe-small-bf16-4-resume-stock"], tmp_path, timeout=600)
+    _check(doc, {"moe-small-bf16-4-resume": 4, "moe-small-bf16-4-resume-stock": 4})
+    est = {(r["case"], r["rank"]): r["estimated_mib"] for r in doc["rows"]}
+    for case in ("moe-small-bf16-4-resume", "moe-small-bf16-4-resume-stock"):
+        assert est[(case, 3)] < est[(case, 0)] == est[(case, 1)] == est[(case, 2)]
+    assert all(est[("moe-small-bf16-4-resume", r)] < est[("moe-small-bf16-4-resume-stock", r)] for r in range(4))
+
+
 @pytest.mark.slow
 def test_estimate_predicts_the_whole_matrix(tmp_path):
     cases = {"moe-bf16-4": 4, "moe-bf16-4-rank0": 4, "moe-bf16-4-stock": 4, "llama-fp32-2": 2, "llama-fp32-2-rank0": 2,
-             "llama-fp32-2-stock": 2, "moe-small-bf16-hsdp4-stock": 4, "llama-fp32-tp4": 4}
+             "llama-fp32-2-stock": 2, "moe-small-bf16-hsdp4-stock": 4, "llama-fp32-tp4": 4, "llama-fp32-2-resume": 2,
+             "llama-fp32-2-resume-stock": 2}
     _check(_run(list(cases), tmp_path, timeout=600), cases)

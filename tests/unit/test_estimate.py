@@ -268,3 +268,16 @@ def test_estimate_command_takes_the_mesh_and_checks_the_tp_plan_as_prepare_does(
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "6", "--tp-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "6 processes" in err and "--tp-size 4" in err and "multiple of their product" in err
+
+
+def test_a_resume_holds_the_state_of_the_rows_a_rank_holds_unpadded():
+    """10 expert rows over 4 ranks: 3, 3, 3 and 1 (FSDP2 pads the shard, the optimizer's state is of the unpadded
+    rows). The plugin reads the state into new tensors (S + its largest tensor), stock holds two copies (2 S)."""
+    experts = TensorSpec("experts", (10, 1024, 256), 2)  # 1 MiB of fp32 per row
+    s = _summary(experts)
+    plugin = _by_stage(predict(s, num_processes=4, dtype="bf16", mixed_precision="bf16"), hook="load_state")
+    stock = _by_stage(predict(s, num_processes=4, dtype="bf16", mixed_precision="bf16"), path="stock", hook="load_state")
+    for rank, rows in ((0, 3), (2, 3), (3, 1)):
+        state = 2 * rows * MIB
+        assert plugin[("optimizer_cpu_reload", rank)].cpu_anon_bytes == state + rows * MIB
+        assert stock[("accelerate.load_state", rank)].cpu_anon_bytes == 2 * state
