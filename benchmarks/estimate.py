@@ -30,6 +30,10 @@ Cases (``--cases``, comma-separated; default: the matrix and ``moe-small-bf16-4`
   Qwen3-MoE's TP plan (styles torch has no counterpart of) and FSDP shards over ``dp_shard`` only: half again.
 * ``llama-fp32-tp4``: a Llama (``100m``) on FSDP 2 × TP 2 with its TP plan applied, where the estimate takes each
   rank's block as 1/4 of every weight (the norms, left whole by the plan, are held 1/2).
+* ``moe-small-bf16-4-resume`` / ``-stock``, ``llama-fp32-2-resume`` / ``-stock``: a resume. One launch prepares, trains a
+  step and saves (``save_state``); fresh processes prepare again and ``load_state`` it into an optimizer with no state
+  yet, as a restarted job does. Compared: the plugin's ``optimizer_cpu_reload`` (its ``accelerate.load_state`` loads
+  the model and the rest, which the estimate does not model) and stock's ``accelerate.load_state``.
 * ``trivial-*``: the ``tiny`` Llama (107 k parameters) on which the estimate's fixed overheads were measured
   once (``FULLY_SHARD_OVERHEAD``, ``DISTRIBUTE_OVERHEAD`` in ``accelerate_memsafe/memory/estimate.py``);
   not part of the default matrix.
