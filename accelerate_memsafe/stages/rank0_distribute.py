@@ -7,6 +7,7 @@ import torch
 from ..distributed.collectives import Collectives
 from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless, in_place_verdict
 from ..distributed.scatter import distribute_from_rank0
+from ..distributed.sharding import fsdp2_prepare_skip_reason
 from ..distributed.topology import find_nodes
 from ..memory.estimate import distribute_peak, layout, mesh_blocks, tensors_of_model
 from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageOutcome, ran
@@ -38,6 +39,9 @@ class Rank0DistributeStage(Stage):
         # called before any prepare stage ran: parameters still have their full shapes
         if not ctx.is_fsdp2 or ctx.model is None or ctx.world_size <= 1:
             return None
+        if fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
+                                     parallelism_config=ctx.scratch.get("parallelism_config")) is not None:
+            return None  # `shard` and `meta_placement` skip (e.g. a model transformers parallelised): nothing is sent
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         tensors = tensors_of_model(ctx.model)

@@ -232,6 +232,40 @@ def test_the_preflight_estimate_holds_a_block_per_dp_shard_under_hsdp_and_a_decl
     assert estimate(tp) == 5 * 4 * MIB
 
 
+def test_no_preflight_estimate_where_the_fsdp2_stages_skip_and_no_tp_rehearsal_for_it(monkeypatch):
+    """A model transformers already parallelised while loading (`tp_plan`: DTensor weights) goes to accelerate's own
+    prepare: `shard` skips (its verdict is missing from the exchange), nothing is sent, and the estimate neither
+    predicts a distribution nor rehearses the TP plan on the parallelised model."""
+    import torch.distributed as dist
+    from accelerate.utils import ParallelismConfig
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    import accelerate_memsafe.distributed.tensor_parallel as tensor_parallel
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.pipeline import ANNOUNCED_KEY, HookContext
+    from accelerate_memsafe.stages.rank0_distribute import Rank0DistributeStage
+    from tests.spawn import free_port
+
+    def rehearsed(*_):
+        raise AssertionError("the TP plan of an already parallelised model was rehearsed")
+
+    monkeypatch.setattr(tensor_parallel, "tp_plan_problem", rehearsed)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), init_device_mesh("cpu", (1,))))
+        stage = Rank0DistributeStage(MemSafePlugin())
+        ctx = HookContext(hook="prepare", rank=0, world_size=4, device=torch.device("cpu"), options=stage.options,
+                          model=model, is_fsdp2=True, mixed_precision="no",
+                          scratch={"parallelism_config": ParallelismConfig(dp_shard_size=2, tp_size=2),
+                                   ANNOUNCED_KEY: {"shard": [None] * 4, "meta_placement": [None] * 4}})
+        assert stage.needs_estimate(ctx)
+        assert stage.estimate(ctx) is None
+    finally:
+        dist.destroy_process_group()
+
+
 def test_estimate_command_prints_tables_and_json(tiny_llama_dir, capsys):
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "2"]) == 0
     out = capsys.readouterr().out
