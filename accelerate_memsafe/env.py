@@ -56,6 +56,26 @@ def launched_world_size(environ: Mapping[str, str] | None = None) -> int | None:
     return int(raw) if raw.isdigit() else None
 
 
+def launched_mesh(environ: Mapping[str, str] | None = None) -> dict[str, int] | None:
+    """The ``ParallelismConfig`` sizes ``accelerate launch --use_parallelism_config`` set
+    (``PARALLELISM_CONFIG_DP_REPLICATE_SIZE``, ``..._TP_SIZE``), ``None`` when it did not.
+
+    Example:
+        >>> launched_mesh({"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2"})
+        {'dp_replicate_size': 2, 'tp_size': 1}
+        >>> launched_mesh({}) is None
+        True
+    """
+    environ = os.environ if environ is None else environ
+    if not _flag(environ.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
+        return None
+    out = {}
+    for key in ("dp_replicate_size", "tp_size"):
+        raw = environ.get(f"PARALLELISM_CONFIG_{key.upper()}", "").strip()
+        out[key] = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    return out
+
+
 def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 

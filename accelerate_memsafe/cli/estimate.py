@@ -3,7 +3,9 @@ rank, stock path vs the plugin, from safetensors headers only (no tensor data is
 
 The number of processes comes from ``--num-processes``, else from the launch configuration (``--config_file``
 of ``accelerate launch``, its ``num_processes``), else from ``WORLD_SIZE`` (inside a launched job), else
-from accelerate's default config file. Exit code 1 when the plugin's worst stage does not fit the budget, so
+from accelerate's default config file. The mesh (``--dp-replicate-size``, ``--tp-size``) comes from the flags, else
+from the same place as the process count (the config file's ``parallelism_config``, or the
+``PARALLELISM_CONFIG_*`` variables of ``accelerate launch --use_parallelism_config``), else none. Exit code 1 when the plugin's worst stage does not fit the budget, so
 a job script can gate on it.
 """
 
@@ -38,9 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--budget-bytes", default=None, help="CPU memory of one node (default: detected MemAvailable)")
     p.add_argument("--load-source", default="auto", choices=("auto", "rank0", "node", "every_rank"),
                    help="the plugin's load_source (auto is predicted as every_rank: every rank sees the checkpoint)")
-    p.add_argument("--dp-replicate-size", "--dp_replicate_size", type=_positive_int, default=1,
-                   help="ParallelismConfig's dp_replicate_size (HSDP: each weight's shards are held that many times)")
-    p.add_argument("--tp-size", "--tp_size", type=_positive_int, default=1,
+    p.add_argument("--dp-replicate-size", "--dp_replicate_size", type=_positive_int, default=None,
+                   help="ParallelismConfig's dp_replicate_size (HSDP: each weight's shards are held that many times; "
+                        "default: from where the process count comes, else 1)")
+    p.add_argument("--tp-size", "--tp_size", type=_positive_int, default=None,
                    help="ParallelismConfig's tp_size (whether the model's TP plan applies is checked as `prepare` "
                         "checks it; a declined plan leaves FSDP over dp_shard only)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -57,14 +60,33 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _from_config_file(path: Path) -> int:
+def _config_data(path: Path) -> dict:
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text())  # accelerate writes YAML; its JSON configs parse as YAML too
     except yaml.YAMLError as exc:
         raise CliError(f"launch config {path} is not valid YAML/JSON ({exc}); write one with `accelerate config`.") from None
-    n = data.get("num_processes") if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else {}
+
+
+def _mesh_of_config(path: Path) -> dict[str, int]:
+    """The ``parallelism_config`` sizes of an ``accelerate launch`` config (``accelerate config`` writes
+    ``parallelism_config: {parallelism_config_dp_replicate_size: 2, ...}``); 1 for what it does not set."""
+    section = _config_data(path).get("parallelism_config") or {}
+    out = {}
+    for key in ("dp_replicate_size", "tp_size"):
+        value = section.get(f"parallelism_config_{key}", 1) if isinstance(section, dict) else 1
+        if not isinstance(value, int) or value < 1:
+            raise CliError(f"launch config {path} has a parallelism_config_{key} of {value!r}; give a whole number >= 1 "
+                           f"there, or pass --{key.replace('_', '-')}.")
+        out[key] = value
+    return out
+
+
+def _from_config_file(path: Path) -> int:
+    data = _config_data(path)
+    n = data.get("num_processes")
     if not isinstance(n, int) or n < 1:
         raise CliError(f"launch config {path} has no usable `num_processes` (found {n!r}); set it there, or pass "
                        "--num-processes N.")
@@ -77,24 +99,31 @@ def num_processes(args: argparse.Namespace) -> tuple[int, str]:
     Raises:
         CliError: If no source gives it, or the given config file cannot be read.
     """
-    from ..env import launched_world_size
+    n, source, _ = _processes_and_mesh(args)
+    return n, source
+
+
+def _processes_and_mesh(args: argparse.Namespace) -> tuple[int, str, dict[str, int] | None]:
+    """:func:`num_processes`, and the ``ParallelismConfig`` sizes of the same source (``None``: it has none)."""
+    from ..env import launched_mesh, launched_world_size
 
     if args.num_processes is not None:
-        return args.num_processes, "--num-processes"
+        return args.num_processes, "--num-processes", None
     if args.config_file:
         path = Path(args.config_file)
         if not path.is_file():
             raise CliError(f"launch config {path} (--config_file) does not exist; give the file you pass to "
                            "`accelerate launch --config_file`, or --num-processes N.")
-        return _from_config_file(path), f"num_processes in {path}"
+        return _from_config_file(path), f"num_processes in {path}", _mesh_of_config(path)
     world = launched_world_size()
     if world is not None:
-        return world, "WORLD_SIZE in the environment"
+        return world, "WORLD_SIZE in the environment", launched_mesh()
     from accelerate.commands.config.config_args import default_config_file
 
     default = Path(default_config_file)
     if default.is_file():
-        return _from_config_file(default), f"num_processes in accelerate's default config {default}"
+        return (_from_config_file(default), f"num_processes in accelerate's default config {default}",
+                _mesh_of_config(default))
     raise CliError(f"how many processes? Pass --num-processes N, or --config_file FILE of `accelerate launch`, or run "
                    f"inside a launched job (WORLD_SIZE); accelerate's default config {default} does not exist "
                    "(`accelerate config` writes it).")
@@ -109,7 +138,14 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).exists():
         raise CliError(f"checkpoint {args.checkpoint} does not exist; give a directory holding model.safetensors or "
                        "model.safetensors.index.json (as `save_pretrained` writes it).")
-    n, source = num_processes(args)
+    n, source, found = _processes_and_mesh(args)
+    flags = [f"--{k.replace('_', '-')}" for k in ("dp_replicate_size", "tp_size") if getattr(args, k) is not None]
+    for key in ("dp_replicate_size", "tp_size"):  # a flag wins; else the process count's source says, else 1
+        if getattr(args, key) is None:
+            setattr(args, key, (found or {}).get(key, 1))
+    mesh_from = " and ".join(flags) if flags else (
+        None if found is None else "PARALLELISM_CONFIG_* in the environment" if source.startswith("WORLD_SIZE")
+        else "parallelism_config in " + source.split(" in ", 1)[1])
     bucket_bytes = parse_size(args.bucket_bytes, what="--bucket-bytes")
     budget = parse_size(args.budget_bytes, what="--budget-bytes") if args.budget_bytes else psutil.virtual_memory().available
     if n % (args.dp_replicate_size * args.tp_size):
@@ -124,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         tp_applied=declined is None,
     )
     mesh = {"dp_replicate_size": args.dp_replicate_size, "dp_shard_size": n // (args.dp_replicate_size * args.tp_size),
-            "tp_size": args.tp_size, **({"tp_declined": declined} if args.tp_size > 1 and declined else {})}
+            "tp_size": args.tp_size, **({"tp_declined": declined} if args.tp_size > 1 and declined else {}),
+            **({"from": mesh_from} if mesh_from else {})}
     fits = {}
     for path in ("stock", "memsafe"):
         worst = max((cpu for cpu, _ in node_totals(preds, path).values()), default=0)
@@ -145,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tp_size > 1:
             tp = (f" x tp {args.tp_size} (the model's TP plan applies)" if declined is None else
                   f" x tp {args.tp_size}, TP plan declined ({declined}): FSDP over dp_shard only")
-        print(f"mesh: dp_replicate {mesh['dp_replicate_size']} x dp_shard {mesh['dp_shard_size']}{tp}")
+        print(f"mesh: dp_replicate {mesh['dp_replicate_size']} x dp_shard {mesh['dp_shard_size']}{tp} (from {mesh_from})")
     print()
     print("| hook | stage | rank | path | CPU private MiB | CPU RSS MiB | device MiB |")
     print("|---|---|---|---|---|---|---|")

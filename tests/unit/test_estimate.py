@@ -286,7 +286,7 @@ def test_estimate_command_takes_the_mesh_and_checks_the_tp_plan_as_prepare_does(
     plain = json.loads(capsys.readouterr().out)
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "4", "--dp-replicate-size", "2", "--json"]) == 0
     hsdp = json.loads(capsys.readouterr().out)
-    assert hsdp["parallelism"] == {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1}
+    assert hsdp["parallelism"] == {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "from": "--dp-replicate-size"}
 
     def held(doc, rank):
         return next(p["cpu_anon_bytes"] for p in doc["predictions"]
@@ -297,7 +297,7 @@ def test_estimate_command_takes_the_mesh_and_checks_the_tp_plan_as_prepare_does(
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "4", "--tp-size", "2"]) == 0
     out = capsys.readouterr().out
     why = tp_plan_declined(tiny_llama_dir, 2)
-    assert "mesh: dp_replicate 1 x dp_shard 2 x tp 2" in out
+    assert "mesh: dp_replicate 1 x dp_shard 2 x tp 2" in out and "(from --tp-size)" in out
     assert ("(the model's TP plan applies)" in out) if why is None else (f"TP plan declined ({why})" in out)
     assert main(["estimate", str(tiny_llama_dir), "--num-processes", "6", "--tp-size", "4"]) == 2
     err = capsys.readouterr().err
@@ -315,3 +315,26 @@ def test_a_resume_holds_the_state_of_the_rows_a_rank_holds_unpadded():
         state = 2 * rows * MIB
         assert plugin[("optimizer_cpu_reload", rank)].cpu_anon_bytes == state + rows * MIB
         assert stock[("accelerate.load_state", rank)].cpu_anon_bytes == 2 * state
+
+
+def test_estimate_command_takes_the_mesh_from_where_the_process_count_comes(tiny_llama_dir, capsys, tmp_path, monkeypatch):
+    """`accelerate config` writes the mesh in the launch config's `parallelism_config`; `accelerate launch
+    --use_parallelism_config` passes it to the job as PARALLELISM_CONFIG_*: the estimate reads it where it reads
+    the process count, and a flag still wins."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    launch = tmp_path / "launch.yaml"
+    launch.write_text("num_processes: 4\nparallelism_config:\n  parallelism_config_dp_replicate_size: 2\n"
+                      "  parallelism_config_dp_shard_size: 2\n")
+    assert main(["estimate", str(tiny_llama_dir), "--config_file", str(launch), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["parallelism"]
+    assert got == {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "from": f"parallelism_config in {launch}"}
+    assert main(["estimate", str(tiny_llama_dir), "--config_file", str(launch), "--dp-replicate-size", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parallelism"]["dp_shard_size"] == 4
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    assert main(["estimate", str(tiny_llama_dir)]) == 0
+    assert "mesh: dp_replicate 2 x dp_shard 2 (from PARALLELISM_CONFIG_* in the environment)" in capsys.readouterr().out
+    launch.write_text("num_processes: 4\nparallelism_config:\n  parallelism_config_tp_size: two\n")
+    assert main(["estimate", str(tiny_llama_dir), "--config_file", str(launch)]) == 2
+    assert "parallelism_config_tp_size of 'two'" in capsys.readouterr().err
