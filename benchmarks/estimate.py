@@ -354,7 +354,8 @@ def markdown(doc: dict) -> str:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         est = "-" if r["estimated_mib"] is None else f"{r['estimated_mib']:.1f}"
         within = f"released (<= {r['released_mib']:.1f})" if r["within"] == "released" else r["within"]
-        lines.append(f"| {r['model']} | {_SETTING[r['setting']]} | {r['load_source']} | {r.get('mesh', r['ranks'])} | {r['rank']} | "
+        ranks = r.get("mesh", r["ranks"])
+        lines.append(f"| {r['model']} | {_SETTING[r['setting']]} | {r['load_source']} | {ranks} | {r['rank']} | "
                      f"{r['stage']} | {est} | {r['measured_mib']:.1f} | {ratio} | {within} |")
     s = doc["summary"]
     lines += [

@@ -5,8 +5,8 @@ The number of processes comes from ``--num-processes``, else from the launch con
 of ``accelerate launch``, its ``num_processes``), else from ``WORLD_SIZE`` (inside a launched job), else
 from accelerate's default config file. The mesh (``--dp-replicate-size``, ``--tp-size``) comes from the flags, else
 from the same place as the process count (the config file's ``parallelism_config``, or the
-``PARALLELISM_CONFIG_*`` variables of ``accelerate launch --use_parallelism_config``), else none. Exit code 1 when the plugin's worst stage does not fit the budget, so
-a job script can gate on it.
+``PARALLELISM_CONFIG_*`` variables of ``accelerate launch --use_parallelism_config``), else none. Exit code 1 when
+the plugin's worst stage does not fit the budget, so a job script can gate on it.
 """
 
 from __future__ import annotations
@@ -99,31 +99,32 @@ def num_processes(args: argparse.Namespace) -> tuple[int, str]:
     Raises:
         CliError: If no source gives it, or the given config file cannot be read.
     """
-    n, source, _ = _processes_and_mesh(args)
+    n, source, _, _ = _processes_and_mesh(args)
     return n, source
 
 
-def _processes_and_mesh(args: argparse.Namespace) -> tuple[int, str, dict[str, int] | None]:
-    """:func:`num_processes`, and the ``ParallelismConfig`` sizes of the same source (``None``: it has none)."""
+def _processes_and_mesh(args: argparse.Namespace) -> tuple[int, str, dict[str, int] | None, str | None]:
+    """:func:`num_processes`, and the ``ParallelismConfig`` sizes of the same source and where they are (``None``:
+    that source has none)."""
     from ..env import launched_mesh, launched_world_size
 
     if args.num_processes is not None:
-        return args.num_processes, "--num-processes", None
+        return args.num_processes, "--num-processes", None, None
     if args.config_file:
         path = Path(args.config_file)
         if not path.is_file():
             raise CliError(f"launch config {path} (--config_file) does not exist; give the file you pass to "
                            "`accelerate launch --config_file`, or --num-processes N.")
-        return _from_config_file(path), f"num_processes in {path}", _mesh_of_config(path)
+        return _from_config_file(path), f"num_processes in {path}", _mesh_of_config(path), f"parallelism_config in {path}"
     world = launched_world_size()
     if world is not None:
-        return world, "WORLD_SIZE in the environment", launched_mesh()
+        return world, "WORLD_SIZE in the environment", launched_mesh(), "PARALLELISM_CONFIG_* in the environment"
     from accelerate.commands.config.config_args import default_config_file
 
     default = Path(default_config_file)
     if default.is_file():
         return (_from_config_file(default), f"num_processes in accelerate's default config {default}",
-                _mesh_of_config(default))
+                _mesh_of_config(default), f"parallelism_config in accelerate's default config {default}")
     raise CliError(f"how many processes? Pass --num-processes N, or --config_file FILE of `accelerate launch`, or run "
                    f"inside a launched job (WORLD_SIZE); accelerate's default config {default} does not exist "
                    "(`accelerate config` writes it).")
@@ -138,14 +139,12 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.checkpoint).exists():
         raise CliError(f"checkpoint {args.checkpoint} does not exist; give a directory holding model.safetensors or "
                        "model.safetensors.index.json (as `save_pretrained` writes it).")
-    n, source, found = _processes_and_mesh(args)
+    n, source, found, found_in = _processes_and_mesh(args)
     flags = [f"--{k.replace('_', '-')}" for k in ("dp_replicate_size", "tp_size") if getattr(args, k) is not None]
     for key in ("dp_replicate_size", "tp_size"):  # a flag wins; else the process count's source says, else 1
         if getattr(args, key) is None:
             setattr(args, key, (found or {}).get(key, 1))
-    mesh_from = " and ".join(flags) if flags else (
-        None if found is None else "PARALLELISM_CONFIG_* in the environment" if source.startswith("WORLD_SIZE")
-        else "parallelism_config in " + source.split(" in ", 1)[1])
+    mesh_from = " and ".join(flags) if flags else (found_in if found is not None else None)
     bucket_bytes = parse_size(args.bucket_bytes, what="--bucket-bytes")
     budget = parse_size(args.budget_bytes, what="--budget-bytes") if args.budget_bytes else psutil.virtual_memory().available
     if n % (args.dp_replicate_size * args.tp_size):
