@@ -12,7 +12,7 @@ from ..distributed.topology import find_nodes
 from ..memory.estimate import distribute_peak, layout, mesh_blocks, tensors_of_model
 from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY, MetaPlacementStage
-from .shard import ShardStage
+from .shard import announced_tp_problem, tp_size_of
 
 
 class Rank0DistributeStage(Stage):
@@ -67,17 +67,15 @@ class Rank0DistributeStage(Stage):
         """How the ranks will split each weight: HSDP holds ``dp_shard_size`` blocks, each ``dp_replicate_size``
         times; FSDP × TP with the plan declined, ``dp_shard_size`` blocks, each ``tp_size`` times (whether it is
         declined: ``shard``'s verdicts in the preflight exchange, else this rank's own check)."""
-        pc = ctx.scratch.get("parallelism_config")
-        replicate, tp = (getattr(pc, "dp_replicate_size", 1) or 1), (getattr(pc, "tp_size", 1) or 1)
+        replicate, tp = getattr(ctx.scratch.get("parallelism_config"), "dp_replicate_size", 1) or 1, tp_size_of(ctx)
         applied = True
         if tp > 1:
-            verdicts = ctx.scratch.get(ANNOUNCED_KEY, {}).get(ShardStage.name)
-            if verdicts is not None and len(verdicts) == ctx.world_size and all(v is not None for v in verdicts):
-                applied = not any(v[1] for v in verdicts)
-            else:
+            complete, problem = announced_tp_problem(ctx)
+            if not complete:  # no collective in an estimate: this rank's own check
                 from ..distributed.tensor_parallel import tp_plan_problem
 
-                applied = tp_plan_problem(ctx.model, tp) is None
+                problem = tp_plan_problem(ctx.model, tp)
+            applied = problem is None
         try:
             return mesh_blocks(ctx.world_size, dp_replicate=replicate, tp=tp, tp_applied=applied)
         except ValueError:  # a mesh that does not fit the processes: accelerate refuses it before any stage runs

@@ -11,8 +11,26 @@ from ..pipeline import ANNOUNCED_KEY, HookContext, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY
 
 
-def _tp_size(ctx: HookContext) -> int:
+def tp_size_of(ctx: HookContext) -> int:
     return getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1
+
+
+def announced_tp_problem(ctx: HookContext) -> tuple[bool, str | None]:
+    """``(complete, problem)`` from every rank's verdict on the TP plan in the preflight's announcements: whether
+    every rank announced one, and why the plan is declined (``None``: every rank applies it), the same on every rank."""
+    verdicts = ctx.scratch.get(ANNOUNCED_KEY, {}).get(ShardStage.name)
+    if verdicts is None or len(verdicts) != ctx.world_size or any(v is None for v in verdicts):
+        return False, None
+    return True, _declined(verdicts)
+
+
+def _declined(verdicts: list) -> str | None:
+    """Why the TP plan is declined from every rank's ``("tp", problem)`` verdict (``None``: no rank declined it)."""
+    problems = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
+    if not problems:
+        return None
+    rank, problem = problems[0]
+    return problem if len(problems) == len(verdicts) else f"rank {rank}: {problem}"
 
 
 class ShardStage(Stage):
@@ -36,7 +54,7 @@ class ShardStage(Stage):
         """With ``tp_size > 1``: this rank's verdict on the model's TP plan (``("tp", None)``: it applies; else why
         not, :func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`), sent with the preflight
         exchange so that every rank applies the plan or none does (:meth:`run` declines it if any rank did)."""
-        tp = _tp_size(ctx)
+        tp = tp_size_of(ctx)
         if tp < 2 or self.skip_reason(ctx) is not None:
             return None
         from ..distributed.tensor_parallel import tp_plan_problem
@@ -46,23 +64,20 @@ class ShardStage(Stage):
     def _agreed_tp_problem(self, ctx: HookContext, tp: int) -> str | None:
         """Why the TP plan is declined, from every rank's verdict (the preflight's announcements, else one
         all-gather here): the same on every rank."""
-        verdicts = ctx.scratch.get(ANNOUNCED_KEY, {}).get(self.name)
-        if verdicts is None or len(verdicts) != ctx.world_size or any(v is None for v in verdicts):
-            from ..distributed.collectives import Collectives
-            from ..distributed.tensor_parallel import tp_plan_problem
+        complete, problem = announced_tp_problem(ctx)
+        if complete:
+            return problem
+        from ..distributed.collectives import Collectives
+        from ..distributed.tensor_parallel import tp_plan_problem
 
-            mine = ("tp", tp_plan_problem(ctx.model, tp))
-            verdicts = [mine] if ctx.world_size < 2 else Collectives(
-                self.name, timeout_s=self.options.collective_timeout_s).all_gather_object(
-                mine, what="all_gather of each rank's verdict on the model's TP plan")
-        problems = [(r, v[1]) for r, v in enumerate(verdicts) if v[1]]
-        if not problems:
-            return None
-        rank, problem = problems[0]
-        return problem if len(problems) == len(verdicts) else f"rank {rank}: {problem}"
+        mine = ("tp", tp_plan_problem(ctx.model, tp))
+        verdicts = [mine] if ctx.world_size < 2 else Collectives(
+            self.name, timeout_s=self.options.collective_timeout_s).all_gather_object(
+            mine, what="all_gather of each rank's verdict on the model's TP plan")
+        return _declined(verdicts)
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        tp = _tp_size(ctx)
+        tp = tp_size_of(ctx)
         tp_details = {}
         problem = None
         if tp > 1:
