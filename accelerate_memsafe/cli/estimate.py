@@ -188,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
     for p in preds:
         print(f"| {p.hook} | {p.stage} | {p.rank} | {p.path} | {p.cpu_anon_bytes / mib:,.1f} | "
               f"{p.cpu_rss_bytes / mib:,.1f} | {p.device_bytes / mib:,.1f} |")
+    print("\nload_state: a restarted job's (its optimizer holds no state yet); a load into an optimizer that holds its "
+          "state reads into it in place and needs less (an upper bound there).")
     print()
     for path, f in fits.items():
         verdict = "fits" if f["fits"] else "DOES NOT FIT"

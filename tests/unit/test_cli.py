@@ -139,6 +139,8 @@ def test_estimate_exits_1_when_the_plugin_does_not_fit_the_budget(capsys, checkp
     code, out, _ = _cli(capsys, "estimate", "--num-processes", "2", "--budget-bytes", "1KB", str(checkpoint))
     assert code == 1
     assert "memsafe: worst stage needs" in out and out.rstrip().endswith("the worst stage does not fit the budget.")
+    # the load_state rows are a restarted job's, and the output says which load they bound
+    assert "\nload_state: a restarted job's (its optimizer holds no state yet); a load into an optimizer" in out
     code, out, _ = _cli(capsys, "estimate", "--num-processes", "2", "--budget-bytes", "50MB", str(checkpoint), "--json")
     assert code == 0 and json.loads(out)["fits"]["memsafe"]["fits"] is True
     # the exit code follows the plugin's path (what a job with the plugin runs); the output says so
