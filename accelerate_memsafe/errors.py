@@ -72,3 +72,18 @@ class CheckpointError(MemSafeError, ValueError):
 
 class MemoryBudgetError(MemSafeError, MemoryError):
     """The predicted peak memory of a stage does not fit the available memory."""
+
+
+def message_line(exc: BaseException, *, prefer: tuple[str, ...] = ()) -> str:
+    """The one line of ``exc``'s message that an error of ours quotes: the first line holding one of ``prefer``
+    (e.g. the global an unpickler refused), else the first non-empty line; ``""`` for an empty message.
+
+    Example:
+        >>> message_line(ValueError("Weights only load failed.\\n  GLOBAL os.system was not an allowed global"),
+        ...              prefer=("GLOBAL",))
+        'GLOBAL os.system was not an allowed global'
+        >>> message_line(OSError("\\nunexpected end of file\\nat offset 8"))
+        'unexpected end of file'
+    """
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return next((line for line in lines if any(p in line for p in prefer)), lines[0] if lines else "")

@@ -333,7 +333,7 @@ def compare(case: Case, predicted: dict, measured: list[dict], released_bytes: i
     if case.hook == "prepare":
         source = "stock accelerate" if case.path == "stock" else f"{case.load_source} ({used})"
     else:
-        source = f"{'reload, state held' if case.held else 'resume'}: {'stock accelerate' if case.path == 'stock' else 'plugin'}"
+        source = f"{'reload (state held)' if case.held else 'resume'}: {'stock accelerate' if case.path == 'stock' else 'plugin'}"
     rows = []
     for run in measured:
         figures = [(stage, run["stages"].get(stage), preds.get((stage, run["rank"]))) for stage in STAGES]
@@ -401,9 +401,14 @@ def markdown(doc: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|" + ("---|" if s["bound"] else ""),
         f"| {s['rows']} | {s['within_25']} | {s['floor_only']} | {s['released']} | {s['not_within']} | {s['moving_rows']} | "
         f"{s['moving_within_25']} | "
-        f"{s['moving_ratio_min']:.2f} | {s['moving_ratio_max']:.2f} |" + (f" {s['bound']} |" if s["bound"] else ""),
+        f"{_ratio(s['moving_ratio_min'])} | {_ratio(s['moving_ratio_max'])} |" + (f" {s['bound']} |" if s["bound"] else ""),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(x: float) -> str:
+    """A ratio of the summary, ``-`` where no row gave one (NaN)."""
+    return "-" if x != x else f"{x:.2f}"
 
 
 def _moves_state(row: dict) -> bool:

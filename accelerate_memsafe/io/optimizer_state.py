@@ -39,7 +39,7 @@ import torch
 
 from .. import _compat
 from ..memory.progress import byte_progress
-from ..errors import CheckpointError
+from ..errors import CheckpointError, message_line
 from .blocks import block_cols, local_block
 
 #: accelerate's optimizer file / folder names (``accelerate.utils.constants.OPTIMIZER_NAME``).
@@ -262,7 +262,7 @@ def _load_structure(path: Path) -> Any:
         return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refused a global: the file asks to run code (or holds objects we never load)
-        detail = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "global" in ln), str(exc).splitlines()[0] if str(exc) else "")
+        detail = message_line(exc, prefer=("GLOBAL", "global"))
         raise CheckpointError(
             f"optimizer file {path} was refused: it is not a plain tensor checkpoint and loading it would need "
             f"to import or run code ({detail}). Nothing was loaded and nothing was executed; load checkpoints "
@@ -271,7 +271,7 @@ def _load_structure(path: Path) -> Any:
     except Exception as exc:
         raise CheckpointError(
             f"optimizer file {path} is truncated or corrupt and cannot be read ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}). Nothing was loaded; restore the file or load an "
+            f"{message_line(exc)}). Nothing was loaded; restore the file or load an "
             "earlier checkpoint."
         ) from None
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, message_line
 from .safetensors_source import read_raw_header
 
 #: safetensors dtype name -> bytes per element.
@@ -468,11 +468,7 @@ def load_rng_states(path: str | os.PathLike) -> dict[str, Any]:
         with torch.serialization.safe_globals(rng_state_globals()):
             states = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        for line in str(exc).splitlines():
-            if "Unsupported global" in line or "GLOBAL" in line:
-                first = line.strip()
-                break
+        first = message_line(exc, prefer=("Unsupported global", "GLOBAL"))
         raise CheckpointError(
             f"RNG state file {path} was refused: it is not a plain accelerate RNG state ({type(exc).__name__}: "
             f"{first}). Nothing from it was executed or loaded; re-save the checkpoint or delete the file to "

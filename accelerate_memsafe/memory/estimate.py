@@ -78,6 +78,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..errors import message_line
+
 #: Bytes per element of the training dtypes the CLI accepts.
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
@@ -232,7 +234,7 @@ def _model_on_meta(path: str | os.PathLike):
                 return cls._from_config(config), None
             return transformers.AutoModelForCausalLM.from_config(config), None
     except Exception as exc:  # any model transformers cannot build here: fall back to the headers
-        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        return None, f"{type(exc).__name__}: {message_line(exc)[:200]}"
 
 
 def tp_plan_declined(path: str | os.PathLike, tp: int) -> str | None:
