@@ -187,8 +187,8 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
     lines = [
         "# Compatibility matrix",
         "",
-        "FSDP2 `prepare` on 2 CPU gloo ranks (4 for `tp` and `hsdp`: FSDP 2 x TP 2 and HSDP 2 x 2 through accelerate's",
-        "`ParallelismConfig`), with the plugin (`MemSafePlugin()`) and with stock accelerate's path",
+        "FSDP2 `prepare` on 2 CPU gloo ranks (4 for `tp`, `hsdp` and `cp`: FSDP 2 x TP 2, HSDP 2 x 2 and FSDP 2 x CP 2",
+        "through accelerate's `ParallelismConfig`), with the plugin (`MemSafePlugin()`) and with stock accelerate's path",
         "(`MemSafePlugin(stages=[])`, the same Accelerator class), for tiny random models of each architecture family.",
         "The stock path loads the model with transformers' `from_pretrained` on every rank (what a script without the",
         "plugin does; the `memsafe` loader's meta weights are filled by the plugin's stages only).",
@@ -199,6 +199,9 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
         *(["Under `tp`, stock accelerate splits nothing of a model loaded without `tp_plan` (it warns, then shards with",
            "FSDP over `dp_shard` only); the plugin applies the model's own TP plan where the model's forward runs with",
            "it (see the section on tensor parallelism below), else shards as stock does.", ""] if "tp" in settings else []),
+        *(["Under `cp`, both paths shard with FSDP over accelerate's flattened `dp_shard_cp` dimension (4-way); the",
+           "sequence split itself is the training loop's (`accelerator.maybe_context_parallel`), after `prepare`.", ""]
+          if "cp" in settings else []),
         f"Produced by `{command}` (see Timings; `--families llama,t5` runs a subset). The default test suite",
         "runs a reduced set that covers every setting and every family kind (`tests/conformance/test_conformance.py`).",
         "",

@@ -65,11 +65,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(name="hf-none", wrap=None, loader="hf", efficient=False),
 )
 
-#: Settings run on request only (``--settings tp,hsdp``), not in the page's default columns: 4 ranks each, FSDP 2 x
-#: TP 2 (the model's own TP plan where the plugin applies it) and HSDP 2 x 2 (2 replicas of a 2-way FSDP).
+#: Settings run on request only (``--settings tp,hsdp,cp``), not in the page's default columns: 4 ranks each, FSDP 2 x
+#: TP 2 (the model's own TP plan where the plugin applies it), HSDP 2 x 2 (2 replicas of a 2-way FSDP), and FSDP 2 x CP 2
+#: (accelerate shards over the flattened ``dp_shard_cp`` dimension: a 4-way FSDP whose mesh has a ``cp`` dimension).
 EXTRA_SETTINGS: tuple[Setting, ...] = (
     Setting(name="tp", parallelism=(("dp_shard_size", 2), ("tp_size", 2)), world_size=4),
     Setting(name="hsdp", parallelism=(("dp_replicate_size", 2), ("dp_shard_size", 2)), world_size=4),
+    Setting(name="cp", parallelism=(("dp_shard_size", 2), ("cp_size", 2)), world_size=4),
 )
 
 BY_NAME = {s.name: s for s in SETTINGS + EXTRA_SETTINGS}

@@ -1,7 +1,7 @@
 """Conformance of FSDP2 ``prepare`` across architecture families (GitHub issue #11).
 
 By default a reduced set runs: every setting and every family kind at least once, all families in one
-2-rank spawn, the 4-rank ``tp`` cells in a second (about two minutes on 2 cores). The full matrix
+2-rank spawn, the 4-rank cells (``tp``, ``hsdp``, ``cp``) in a second (about two minutes on 2 cores). The full matrix
 (``python -m tests.conformance``) is marked ``conformance`` and skipped unless ``MEMSAFE_CONFORMANCE=1`` or
 ``-m conformance``.
 """
@@ -18,7 +18,7 @@ from .settings import BY_NAME
 REDUCED = {
     "phi3": ("tw", "size-bf16"),
     "llama3": ("hf-tw", "none", "ac"),
-    "qwen3_moe": ("tw-bf16",),
+    "qwen3_moe": ("tw-bf16", "cp"),  # cp: FSDP 2 x CP 2 on 4 ranks, fused experts over the flattened dp_shard_cp
     "mistral": ("tw", "ac"),  # ac: sliding-window layers write the KV cache (stock fails in backward)
     "bert": ("size", "hf-none", "hsdp"),  # hsdp: 2 replicas of a 2-way FSDP on 4 ranks (stock fails: overlapping meshes)
     "bart": ("none-bf16",),
