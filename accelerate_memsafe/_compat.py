@@ -10,6 +10,8 @@
    after the CPU state was promoted to FSDP (``install_parallelism_config``).
 4. torchdata's ``StatefulDataLoader.next_iter_state``: a state restored at an epoch boundary is dropped so
    that the next epoch is built once (``start_next_epoch_fresh``).
+5. ``accelerate.big_modeling._attach_context_parallel_hooks``: its refusal of a model that context parallelism cannot
+   run is asked before any stage changes the model (``context_parallel_refusal``).
 """
 
 from __future__ import annotations
@@ -186,6 +188,32 @@ def tp_already_applied(accelerator: Any) -> Iterator[None]:
         yield
     finally:
         del accelerator._prepare_tp
+
+
+def context_parallel_refusal(model: torch.nn.Module) -> str | None:
+    """Why accelerate's context parallelism refuses ``model``, or ``None``: accelerate's ``prepare`` raises it first
+    thing (``Accelerator._prepare_cp``), before anything moves; with the plugin its stages run before that call, so
+    the plugin asks the same check before its first stage. It asks accelerate's own
+    ``big_modeling._attach_context_parallel_hooks`` (private), which checks the model's config (a layer that is not full
+    causal attention: sliding-window, chunked, linear) before it attaches hooks, with a view holding the config and no
+    modules: nothing is attached. ``None`` too where this accelerate has no such function.
+
+    Example:
+        >>> from transformers import MistralConfig
+        >>> context_parallel_refusal(SimpleNamespace(config=MistralConfig(sliding_window=8)))[:84]
+        "Context parallelism does not support attention layers of type ['sliding_attention'] "
+    """
+    check_accelerate_version()
+    try:
+        from accelerate.big_modeling import _attach_context_parallel_hooks
+    except ImportError:
+        return None
+    view = type(type(model).__name__, (), {"config": getattr(model, "config", None), "named_modules": lambda self: ()})()
+    try:
+        _attach_context_parallel_hooks(view)  # the message names the view's class: the model's
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 @contextlib.contextmanager

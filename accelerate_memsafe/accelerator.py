@@ -11,6 +11,7 @@ import accelerate
 import torch
 
 from . import _compat, walk
+from .errors import ConfigError
 from .env import launch_env, memsafe_variables
 from .memory.report import MemoryReport
 from .pipeline import HookContext, Pipeline
@@ -151,6 +152,25 @@ class MemSafeMixin:
         reason = placement.skip_reason(ctx)
         return None if reason is None else f"`meta_placement` does not run here ({reason})"
 
+    def _memsafe_refuse_context_parallel(self, ctx: HookContext) -> None:
+        """Raises, on every rank and before any stage changes the model, what accelerate's own ``prepare`` raises first
+        thing under context parallelism for a model it cannot run (a layer that is not full causal attention); without
+        this the plugin's stages would shard the model before accelerate's call refused it. Only where prepare stages
+        run: without them accelerate raises it itself, first.
+
+        Raises:
+            ConfigError: accelerate's message (a ``ValueError``, as stock raises), and what to change.
+        """
+        pc = ctx.scratch.get("parallelism_config")
+        if ctx.model is None or not getattr(pc, "cp_enabled", False) or not self.memsafe_plugin.pipeline.stages.get("prepare"):
+            return
+        reason = _compat.context_parallel_refusal(ctx.model)
+        if reason is not None:
+            raise ConfigError(
+                f"{reason} (accelerate's check for ParallelismConfig(cp_size={pc.cp_size}), raised on every rank before "
+                "`prepare` changed anything.) Set cp_size=1, or train a model whose layers are all full attention."
+            )
+
     # -- hooks --------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         ctx = self._memsafe_context("prepare", args)
@@ -170,6 +190,7 @@ class MemSafeMixin:
 
     def _memsafe_prepare(self, ctx: HookContext, args: tuple, models: list, optimizers: list,
                          device_placement: list[bool] | None) -> Any:
+        self._memsafe_refuse_context_parallel(ctx)
         if ctx.model is not None:
             from .distributed.meta import refuse_unfilled_meta_weights
 

@@ -222,6 +222,15 @@ class HookContext:
     """Where a stage leaves work that finishes after the hook returned (rank 0's checkpoint commit); set by
     :meth:`Pipeline.run`, which settles it at the start of the next hook."""
 
+    def parallel_size(self, name: str) -> int:
+        """A size of the run's ``ParallelismConfig`` (``"tp_size"``, ``"dp_replicate_size"``), 1 without one.
+
+        Example:
+            >>> HookContext("prepare", 0, 1, torch.device("cpu"), None).parallel_size("tp_size")
+            1
+        """
+        return getattr(self.scratch.get("parallelism_config"), name, 1) or 1
+
 
 def validate_stage_names(
     names: Iterable[str], registry: Mapping[str, type[Stage]]

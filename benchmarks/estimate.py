@@ -30,6 +30,9 @@ Cases (``--cases``, comma-separated; default: the matrix and ``moe-small-bf16-4`
   Qwen3-MoE's TP plan (styles torch has no counterpart of) and FSDP shards over ``dp_shard`` only: half again.
 * ``llama-fp32-tp4``: a Llama (``100m``) on FSDP 2 × TP 2 with its TP plan applied, where the estimate takes each
   rank's block as 1/4 of every weight (the norms, left whole by the plan, are held 1/2).
+* ``moe-small-bf16-cp4`` / ``-stock``: the same on FSDP 2 × CP 2 (``dp_shard_size=2, cp_size=2``): accelerate shards over
+  the flattened ``dp_shard_cp`` dimension, a quarter of every weight per rank, which the estimate (no ``cp`` flag) takes
+  from the 4 processes.
 * ``moe-small-bf16-4-resume`` / ``-stock``, ``llama-fp32-2-resume`` / ``-stock``: a resume. One launch prepares, trains a
   step and saves (``save_state``); fresh processes prepare again and ``load_state`` it into an optimizer with no state
   yet, as a restarted job does. Compared: the plugin's ``optimizer_cpu_reload`` (its ``accelerate.load_state`` loads
@@ -99,6 +102,9 @@ class Case:
     path: str = "memsafe"
     dp_replicate: int = 1
     tp: int = 1
+    cp: int = 1
+    """accelerate's ``cp_size``: FSDP shards over the flattened ``dp_shard_cp`` dimension, so the estimate, which has no
+    flag for it, takes the processes the other sizes leave as the shard degree."""
     hook: str = "prepare"
     """``"load_state"``: a resume, measured in fresh processes that load the state another launch saved."""
     held: bool = False
@@ -108,10 +114,11 @@ class Case:
     @property
     def parallelism(self) -> dict:
         """accelerate's ``ParallelismConfig`` sizes (empty: FSDP over every rank)."""
-        if self.dp_replicate == 1 and self.tp == 1:
+        if self.dp_replicate == 1 and self.tp == 1 and self.cp == 1:
             return {}
-        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.ranks // (self.dp_replicate * self.tp),
-                "tp_size": self.tp}
+        sizes = {"dp_replicate_size": self.dp_replicate,
+                 "dp_shard_size": self.ranks // (self.dp_replicate * self.tp * self.cp), "tp_size": self.tp}
+        return {**sizes, "cp_size": self.cp} if self.cp > 1 else sizes
 
     @property
     def mesh(self) -> str:
@@ -135,6 +142,8 @@ CASES = {c.name: c for c in (
     Case("moe-small-bf16-hsdp4-stock", "moe-small", "bf16", 4, "auto", "stock", dp_replicate=2),
     Case("moe-small-bf16-tp4", "moe-small", "bf16", 4, "auto", tp=2),
     Case("llama-fp32-tp4", "llama-100m", "fp32", 4, "auto", tp=2),
+    Case("moe-small-bf16-cp4", "moe-small", "bf16", 4, "auto", cp=2),
+    Case("moe-small-bf16-cp4-stock", "moe-small", "bf16", 4, "auto", "stock", cp=2),
     Case("moe-small-bf16-4-resume", "moe-small", "bf16", 4, "auto", hook="load_state"),
     Case("moe-small-bf16-4-resume-stock", "moe-small", "bf16", 4, "auto", "stock", hook="load_state"),
     Case("llama-fp32-2-resume", "llama-250m", "fp32", 2, "auto", hook="load_state"),

@@ -109,7 +109,7 @@ class MetaPlacementStage(Stage):
             return "check_finite_weights: rank 0 checks every weight while sending it"
         if ctx.device.type != "cpu":
             return f"training on {ctx.device.type}: fully_shard would first move each whole weight to the device"
-        if (getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1) > 1:
+        if ctx.parallel_size("tp_size") > 1:
             return "tensor parallelism: its plan is applied on meta"
         return None
 

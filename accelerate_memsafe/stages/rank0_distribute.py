@@ -12,7 +12,7 @@ from ..distributed.topology import find_nodes
 from ..memory.estimate import distribute_peak, layout, mesh_blocks, tensors_of_model
 from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY, MetaPlacementStage
-from .shard import announced_tp_problem, tp_size_of
+from .shard import announced_tp_problem
 
 
 class Rank0DistributeStage(Stage):
@@ -67,7 +67,7 @@ class Rank0DistributeStage(Stage):
         """How the ranks will split each weight: HSDP holds ``dp_shard_size`` blocks, each ``dp_replicate_size``
         times; FSDP × TP with the plan declined, ``dp_shard_size`` blocks, each ``tp_size`` times (whether it is
         declined: ``shard``'s verdicts in the preflight exchange, else this rank's own check)."""
-        replicate, tp = getattr(ctx.scratch.get("parallelism_config"), "dp_replicate_size", 1) or 1, tp_size_of(ctx)
+        replicate, tp = ctx.parallel_size("dp_replicate_size"), ctx.parallel_size("tp_size")
         applied = True
         if tp > 1:
             complete, problem = announced_tp_problem(ctx)

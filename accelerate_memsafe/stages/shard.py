@@ -11,10 +11,6 @@ from ..pipeline import ANNOUNCED_KEY, HookContext, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY
 
 
-def tp_size_of(ctx: HookContext) -> int:
-    return getattr(ctx.scratch.get("parallelism_config"), "tp_size", 1) or 1
-
-
 def announced_tp_problem(ctx: HookContext) -> tuple[bool, str | None]:
     """``(complete, problem)`` from every rank's verdict on the TP plan in the preflight's announcements: whether
     every rank announced one, and why the plan is declined (``None``: every rank applies it), the same on every rank."""
@@ -54,7 +50,7 @@ class ShardStage(Stage):
         """With ``tp_size > 1``: this rank's verdict on the model's TP plan (``("tp", None)``: it applies; else why
         not, :func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`), sent with the preflight
         exchange so that every rank applies the plan or none does (:meth:`run` declines it if any rank did)."""
-        tp = tp_size_of(ctx)
+        tp = ctx.parallel_size("tp_size")
         if tp < 2 or self.skip_reason(ctx) is not None:
             return None
         from ..distributed.tensor_parallel import tp_plan_problem
@@ -77,7 +73,7 @@ class ShardStage(Stage):
         return _declined(verdicts)
 
     def run(self, ctx: HookContext) -> StageOutcome:
-        tp = tp_size_of(ctx)
+        tp = ctx.parallel_size("tp_size")
         tp_details = {}
         problem = None
         if tp > 1:

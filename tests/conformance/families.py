@@ -343,8 +343,24 @@ def prepare(name: str, root: Path) -> Family:
     state = full_state(ref)
     if state.keys() != built.keys() or any(not torch.equal(state[k], built[k]) for k in state):
         raise Dropped("from_pretrained does not give back the saved tensors bit for bit")
-    torch.save({"state": state, "ties": tie_groups(ref), "loss": reference_loss(ref.eval(), batch)}, family.reference)
+    loss = reference_loss(ref.eval(), batch)
+    torch.save({"state": state, "ties": tie_groups(ref), "loss": loss, "loss_cp": context_parallel_loss(ref, batch)},
+               family.reference)
     return family
+
+
+def context_parallel_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float | None:
+    """The loss on ``batch`` with the hooks accelerate's ``prepare`` attaches under context parallelism (each
+    ``self_attn`` gets no attention mask and ``is_causal=True``: what the model computes in the ``cp`` setting, on
+    either path); ``None`` for a model accelerate refuses there. Attaches them to ``model``: call it last."""
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+
+    from accelerate_memsafe import _compat
+
+    if _compat.context_parallel_refusal(model) is not None:
+        return None
+    _attach_context_parallel_hooks(model)
+    return reference_loss(model, batch)
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

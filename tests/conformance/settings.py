@@ -31,6 +31,12 @@ class Setting:
     world_size: int = 2
     """How many gloo ranks the cell runs on."""
 
+    @property
+    def context_parallel(self) -> bool:
+        """Whether accelerate's ``prepare`` attaches its context-parallel hooks (``cp_size`` > 1): the model then
+        computes its loss without attention masks, as causal attention."""
+        return dict(self.parallelism).get("cp_size", 1) > 1
+
     def parallelism_config(self) -> Any:
         """The ``ParallelismConfig`` of :attr:`parallelism`, or ``None``."""
         if not self.parallelism:

@@ -134,3 +134,33 @@ def test_fused_experts_larger_than_a_bucket_arrive_bitwise(nodes):
         assert res["differs"] == [], f"rank {rank}"
         assert res["bucket_budget"] == 1024 and res["buckets"] > 6 * 50 * 12 * 4 // 1024
 
+
+
+def test_a_model_context_parallelism_refuses_is_refused_before_anything_moves_as_stock_refuses_it(tmp_path):
+    """FSDP 2 x CP 2 with a model whose layers use sliding-window attention: accelerate's `prepare` refuses it first
+    thing (context parallelism drops the attention mask), before it shards anything. The plugin's stages run before
+    that call, so until the plugin asked the same check first, every rank's model was sharded and rank 0's weights
+    sent before the refusal came. Now both paths raise accelerate's words on every rank with nothing moved."""
+    import dataclasses
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from accelerate_memsafe.models import llama_config
+
+    fields = {f.name for f in dataclasses.fields(MistralConfig)} if dataclasses.is_dataclass(MistralConfig) else None
+    base = {k: v for k, v in llama_config("tiny").to_dict().items() if fields is None or k in fields}
+    cfg = MistralConfig(**{**base, "sliding_window": 8})
+    MistralForCausalLM(cfg).save_pretrained(tmp_path / "mistral")
+    got = {}
+    for path, stages in (("stock", []), ("plugin", None)):
+        got[path] = run_on_ranks(workers_mesh.prepare_refused_under_cp, 4, init_process_group=False, timeout=240,
+                                 model_dir=str(tmp_path / "mistral"), stages=stages)
+    for path, results in got.items():
+        for rank, res in enumerate(results):
+            assert res["error"] is not None and res["error"]["value_error"], (path, rank, res["error"])
+            assert "Context parallelism does not support attention layers of type ['sliding_attention']" in \
+                res["error"]["message"], (path, rank)
+            assert "(model MistralForCausalLM)" in res["error"]["message"]
+            assert not res["sharded"] and res["changed"] == [] and res["still_meta"], (path, rank, res)
+    assert {r["error"]["type"] for r in got["plugin"]} == {"ConfigError"}
+    assert "raised on every rank before `prepare` changed anything" in got["plugin"][0]["error"]["message"]

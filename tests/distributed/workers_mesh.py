@@ -105,3 +105,37 @@ def experts_distribute(rank: int, world_size: int, *, bucket_bytes: int, nodes: 
                                   bucket_bytes=bucket_bytes, prefetch_buckets=1, device=torch.device("cpu"), nodes=layout)
     differs = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), reference[n])]
     return {"differs": differs, "buckets": stats.buckets, "bucket_budget": stats.bucket_budget}
+
+
+def prepare_refused_under_cp(rank: int, world_size: int, *, model_dir: str, stages: list[str] | None) -> dict[str, Any]:
+    """``prepare`` of a checkpoint whose layers use sliding-window attention under ``ParallelismConfig(dp_shard_size=2,
+    cp_size=2)``, with the plugin (``stages=None``; ``accelerate_memsafe.from_pretrained``: rank 0's weights, meta
+    elsewhere) or stock's path (``stages=[]``; transformers' ``from_pretrained`` on every rank): the error, and whether
+    anything moved (a parameter sharded) or changed (rank 0's weights, the meta weights filled)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin, ParallelismConfig
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    acc = Accelerator(plugins=[MemSafePlugin(**({} if stages is None else {"stages": stages}))],
+                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True),
+                      parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))
+    if stages == []:  # what a script without the plugin loads: the weights on every rank
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+    else:
+        model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    metas = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    out: dict[str, Any] = {"error": None}
+    try:
+        acc.prepare(model, optimizer)
+    except Exception as exc:
+        out["error"] = {"type": type(exc).__name__, "value_error": isinstance(exc, ValueError), "message": str(exc)}
+    params = dict(model.named_parameters())
+    out["sharded"] = any(isinstance(p, DTensor) for p in params.values())
+    out["changed"] = [] if out["sharded"] else sorted(n for n, t in before.items() if not torch.equal(params[n].detach(), t))
+    out["still_meta"] = sorted(n for n, p in params.items() if p.is_meta) == metas
+    return out

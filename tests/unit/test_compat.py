@@ -105,3 +105,28 @@ def test_local_numel_reads_the_local_shard_and_falls_back_to_the_public_api():
     assert _compat.local_numel(torch.zeros(2, 3)) == 6
     assert _compat.local_numel(Sharded()) == 12
     assert _compat.local_numel(OnlyPublic()) == 5
+
+
+def test_context_parallel_refusal_is_accelerates_own_and_attaches_nothing():
+    # differential: the refusal is accelerate's (`_prepare_cp` calls `_attach_context_parallel_hooks` first thing),
+    # word for word, for a model with sliding-window layers; a full-attention model is accepted; and asking attaches
+    # no hook to the model (accelerate's call, which attaches them, runs later inside `prepare`)
+    import inspect
+
+    from accelerate import Accelerator
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+    from transformers import LlamaForCausalLM, MistralForCausalLM
+
+    from accelerate_memsafe.models import llama_config
+
+    assert "_attach_context_parallel_hooks(arg)" in inspect.getsource(Accelerator._prepare_cp)
+    cfg = llama_config("tiny")
+    full = LlamaForCausalLM(cfg)
+    assert _compat.context_parallel_refusal(full) is None
+    assert not any(m._forward_pre_hooks for m in full.modules())
+    sliding = MistralForCausalLM(cfg.__class__(**{**cfg.to_dict(), "sliding_window": 8}))
+    mine = _compat.context_parallel_refusal(sliding)
+    assert not any(m._forward_pre_hooks for m in sliding.modules()), "asking attached a hook"
+    with pytest.raises(ValueError) as theirs:
+        _attach_context_parallel_hooks(sliding)
+    assert mine == str(theirs.value) and "(model MistralForCausalLM)" in mine
