@@ -349,10 +349,12 @@ def prepare(name: str, root: Path) -> Family:
     return family
 
 
-def context_parallel_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float | None:
+def context_parallel_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float | dict[str, str] | None:
     """The loss on ``batch`` with the hooks accelerate's ``prepare`` attaches under context parallelism (each
     ``self_attn`` gets no attention mask and ``is_causal=True``: what the model computes in the ``cp`` setting, on
-    either path); ``None`` for a model accelerate refuses there. Attaches them to ``model``: call it last."""
+    either path); ``None`` for a model accelerate refuses there; ``{"type", "message"}`` where the hooked forward
+    fails in this one process (an attention whose ``forward`` takes no ``is_causal``): the cell's forward fails alike
+    on either path. Attaches them to ``model``: call it last."""
     from accelerate.big_modeling import _attach_context_parallel_hooks
 
     from accelerate_memsafe import _compat
@@ -360,7 +362,11 @@ def context_parallel_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     if _compat.context_parallel_refusal(model) is not None:
         return None
     _attach_context_parallel_hooks(model)
-    return reference_loss(model, batch)
+    try:
+        return reference_loss(model, batch)
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()  # as the worker records a path's error
+        return {"type": type(exc).__name__, "message": lines[0] if lines else ""}
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

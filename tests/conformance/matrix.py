@@ -25,6 +25,9 @@ STARTUP_S = 180.0
 CELL_S = 90.0
 
 PASS, REFUSED, FAIL = "pass", "refused (stock fails too)", "FAIL"
+#: ``cp`` only: ``prepare`` conformed (weights bitwise, ties), and the model's forward then fails under the hooks
+#: accelerate's ``prepare`` attaches for context parallelism, as it does in one process with the same hooks.
+NOT_RUN = "n/a (the forward fails under cp's hooks, in one process too)"
 CRASH = "hang or crash"
 
 
@@ -47,7 +50,9 @@ def classify(family: str, setting: str, facts: dict[str, Any]) -> Cell:
     anything moved and stock failed too; ``FAIL`` otherwise."""
     plugin, stock = facts["plugin"], facts["stock"]
     error = plugin["error"]
-    if error is None and not plugin["problems"]:
+    if error is None and not plugin["problems"] and plugin.get("forward_fails_under_cp"):
+        outcome, reason = NOT_RUN, plugin["forward_fails_under_cp"]
+    elif error is None and not plugin["problems"]:
         outcome, reason = PASS, ""
     elif error and error.get("memsafe") and not error.get("moved") and _describe(stock) != "ok":
         outcome, reason = REFUSED, _error_text(error)
@@ -62,7 +67,9 @@ def _describe(path: dict[str, Any]) -> str:
         return CRASH
     if path["error"]:
         return f"error: {path['error']['type']}"
-    return "wrong" if path["problems"] else "ok"
+    if path["problems"]:
+        return "wrong"
+    return "n/a" if path.get("forward_fails_under_cp") else "ok"
 
 
 def _error_text(error: dict[str, Any]) -> str:
@@ -227,7 +234,8 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
             row.append("" if c is None else f"{'**FAIL**' if c.outcome == FAIL else c.outcome.split(' ')[0]} / {c.stock}")
         lines.append(f"| {f.name} | " + " | ".join(row) + " |")
     counts = Counter(c.outcome for c in cells)
-    lines += ["", f"**{len(cells)} cells**: " + ", ".join(f"{counts[o]} {o}" for o in (PASS, REFUSED, FAIL)), ""]
+    kinds = (PASS, REFUSED, FAIL) + ((NOT_RUN,) if counts[NOT_RUN] else ())
+    lines += ["", f"**{len(cells)} cells**: " + ", ".join(f"{counts[o]} {o}" for o in kinds), ""]
     failures = [c for c in cells if c.outcome != PASS]
     if failures:
         lines += ["## Failures and refusals", ""]

@@ -82,6 +82,13 @@ def test_classify():
     assert matrix.classify("f", "s", _facts(error)).outcome == matrix.FAIL  # refusing what stock can do
     assert matrix.classify("f", "s", _facts({**error, "moved": True}, stock_error=crash)).outcome == matrix.FAIL
     assert matrix.classify("f", "s", _facts(crash, stock_error=crash)).outcome == matrix.FAIL
+    # cp: prepare conformed and the forward fails under accelerate's cp hooks as in one process: not the plugin's
+    facts = _facts()
+    facts["plugin"]["forward_fails_under_cp"] = "TypeError: forward() got an unexpected keyword argument 'is_causal'"
+    cell = matrix.classify("f", "cp", facts)
+    assert cell.outcome == matrix.NOT_RUN and "is_causal" in cell.reason
+    facts["plugin"]["problems"] = ["rank 1: 1 tensor(s) differ from the reference: w"]
+    assert matrix.classify("f", "cp", facts).outcome == matrix.FAIL
 
 
 def test_settle_after_a_failed_spawn():

@@ -176,6 +176,7 @@ def _run_path(family: Family, setting: Setting, *, stages: list[str] | None, loa
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         out["prepare_s"] = time.monotonic() - start
+        out["phase"] = "after prepare"
         if dict(setting.parallelism).get("tp_size", 1) > 1 and stages is None:  # what the plugin did with the TP plan
             shard = [r for r in accelerator.memsafe_plugin.report.records if r.stage == "shard" and r.status == "ran"]
             details = shard[-1].details if shard else {}
@@ -229,6 +230,20 @@ def _judge(per_rank: list[dict[str, Any]], reference: dict[str, Any], setting: S
     if "tp" in first:
         facts["tp"] = first["tp"]
     errors = [(rank, r["error"]) for rank, r in enumerate(per_rank) if r["error"]]
+    fails = reference.get("loss_cp") if setting.context_parallel else None
+    if isinstance(fails, dict) and len(errors) == len(per_rank) and all(
+            r.get("phase") == "after prepare" and "state" in r and (r["error"]["type"], r["error"]["message"])
+            == (fails["type"], fails["message"]) for r in per_rank):
+        # the forward fails under cp's hooks in one process too: prepare is judged (weights, ties), the forward not
+        facts["forward_fails_under_cp"] = f"{fails['type']}: {fails['message']}"
+        facts["prepare_s"] = max(r["prepare_s"] for r in per_rank)
+        for rank, r in enumerate(per_rank):
+            differ = _differ(r["state"], reference["state"])
+            if differ:
+                facts["problems"].append(f"rank {rank}: {len(differ)} tensor(s) differ from the reference: {_names(differ)}")
+            if r["ties_after"] != reference["ties"]:
+                facts["problems"].append(f"ties on rank {rank} {r['ties_after']} differ from the reference's {reference['ties']}")
+        return facts
     if errors:
         rank, error = errors[0]
         facts["error"] = {**error, "rank": rank, "all_ranks": len(errors) == len(per_rank)}
