@@ -108,5 +108,5 @@ def test_estimate_bounds_a_load_into_held_state_which_reads_in_place(tmp_path):
 def test_estimate_predicts_the_whole_matrix(tmp_path):
     cases = {"moe-bf16-4": 4, "moe-bf16-4-rank0": 4, "moe-bf16-4-stock": 4, "llama-fp32-2": 2, "llama-fp32-2-rank0": 2,
              "llama-fp32-2-stock": 2, "moe-small-bf16-hsdp4-stock": 4, "llama-fp32-tp4": 4, "llama-fp32-2-resume": 2,
-             "llama-fp32-2-resume-stock": 2}
+             "llama-fp32-2-resume-stock": 2, "moe-small-bf16-cp4": 4, "moe-small-bf16-cp4-stock": 4}
     _check(_run(list(cases), tmp_path, timeout=600), cases)
