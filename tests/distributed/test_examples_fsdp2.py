@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fsdp2_train.py"
 
 
-def _run(cmd: list[str], tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+def _run(cmd: list[str], tmp_path: Path, env_extra: dict | None = None) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env_extra or {}))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -75,6 +75,35 @@ def test_demo_command_runs_and_writes_the_report(tmp_path):
 
     with Image.open(tmp_path / "d" / "report.png") as im:
         assert im.format == "PNG" and im.size[0] >= 1000
+
+
+def test_example_under_context_parallelism(reference, tmp_path):
+    """`accelerate launch --num_processes 4 --use_parallelism_config` with FSDP 2 x CP 2: accelerate shards over its
+    flattened `dp_shard_cp` dimension (a quarter of every weight per rank, one placement), the plugin's rank-0 load
+    (`ACCELERATE_MEMSAFE_LOAD_SOURCE=rank0`: the example loads on every rank, which the default would keep in place)
+    sends each rank its quarter and fills it with the single-process weights, the loss is the single-process one (a full-attention model
+    without padding: CP's hooks, which drop the mask, change nothing here), and save_state / load_state round-trip
+    bitwise through the plugin."""
+    model_dir, ref = reference
+    out = tmp_path / "run.json"
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "4", "--num_machines", "1", "--use_fsdp",
+          "--fsdp_version", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+          "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "2",
+          str(EXAMPLE), "--model-dir", str(model_dir), "--out", str(out), "--report", str(tmp_path / "report.json")], tmp_path,
+         env_extra={"ACCELERATE_MEMSAFE_LOAD_SOURCE": "rank0"})
+    run = json.loads(out.read_text())
+    assert run["world_size"] == 4 and run["mesh"] == {"dp_shard": 2, "cp": 2}
+    assert all(p["placements"] == "(Shard(dim=0),)" and p["local_fraction"] == 0.25 for p in run["sharding"])
+    assert run["differs_from_single_process"] == [[], [], [], []], "every rank ends with the single-process weights"
+    assert max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])) <= 1e-5
+    assert run["state_changed_by_extra_step"] and run["roundtrip_tensors"] > 0 and run["roundtrip_mismatches"] == []
+    records = json.loads((tmp_path / "report.json").read_text())["records"]
+    distribute = {r["rank"]: r for r in records if r["hook"] == "prepare" and r["stage"] == "rank0_distribute"}
+    assert all(distribute[rank]["status"] == "ran" for rank in range(4)), "the rank-0 load ran on every rank"
+    # rank 0 sends each other rank its quarter of the model (the blocks of the flattened dp_shard_cp), nothing more
+    model_bytes = 4 * sum(p["numel"] for p in run["sharding"])
+    for rank in (1, 2, 3):
+        assert 0 < distribute[rank]["details"]["bytes_received"] <= model_bytes / 4 * 1.05 + 16 * 1024
 
 
 def _launch_two_nodes(model_dir, tmp_path: Path, num_processes: int, *extra: str, env_extra: dict | None = None) -> None:
