@@ -81,9 +81,9 @@ def test_example_under_context_parallelism(reference, tmp_path):
     """`accelerate launch --num_processes 4 --use_parallelism_config` with FSDP 2 x CP 2: accelerate shards over its
     flattened `dp_shard_cp` dimension (a quarter of every weight per rank, one placement), the plugin's rank-0 load
     (`ACCELERATE_MEMSAFE_LOAD_SOURCE=rank0`: the example loads on every rank, which the default would keep in place)
-    sends each rank its quarter and fills it with the single-process weights, the loss is the single-process one (a full-attention model
-    without padding: CP's hooks, which drop the mask, change nothing here), and save_state / load_state round-trip
-    bitwise through the plugin."""
+    sends each rank its quarter and fills it with the single-process weights, the loss is the single-process one (a
+    full-attention model without padding: CP's hooks, which drop the mask, change nothing here), and save_state /
+    load_state round-trip bitwise through the plugin."""
     model_dir, ref = reference
     out = tmp_path / "run.json"
     _run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "4", "--num_machines", "1", "--use_fsdp",
