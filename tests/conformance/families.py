@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from accelerate_memsafe.errors import message_line
+
 SEED = 0
 MAX_PARAMS = 2_000_000
 BATCH, SEQ = 2, 12
@@ -310,8 +312,7 @@ def _tie_kinds(model: torch.nn.Module) -> set[str]:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return f"{type(exc).__name__}: {message_line(exc)}".rstrip(": ")
 
 
 def prepare(name: str, root: Path) -> Family:
@@ -365,8 +366,7 @@ def context_parallel_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     try:
         return reference_loss(model, batch)
     except Exception as exc:
-        lines = str(exc).strip().splitlines()  # as the worker records a path's error
-        return {"type": type(exc).__name__, "message": lines[0] if lines else ""}
+        return {"type": type(exc).__name__, "message": message_line(exc)}  # as the worker records a path's error
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

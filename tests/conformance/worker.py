@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from accelerate_memsafe.errors import message_line
+
 from .families import Family, full_state, make_batch, tie_groups
 from .settings import BY_NAME, Setting
 
@@ -196,10 +198,9 @@ def _run_path(family: Family, setting: Setting, *, stages: list[str] | None, loa
     except Exception as exc:
         from torch.distributed.tensor import DTensor
 
-        lines = str(exc).strip().splitlines()
         out["error"] = {
             "type": type(exc).__name__,
-            "message": lines[0] if lines else "",
+            "message": message_line(exc),
             "memsafe": isinstance(exc, MemSafeError),
             "moved": model is not None and any(isinstance(p, DTensor) for p in model.parameters()),
         }
