@@ -191,7 +191,11 @@ class MemSafeMixin:
     def _memsafe_prepare(self, ctx: HookContext, args: tuple, models: list, optimizers: list,
                          device_placement: list[bool] | None) -> Any:
         self._memsafe_refuse_context_parallel(ctx)
-        if ctx.model is not None:
+        # one process without FSDP: accelerate's own `model.to(device)` refuses weights on meta, as stock does, and
+        # they are named once it has (`meta_weights_failure`); elsewhere accelerate could take them silently (FSDP2
+        # re-points the optimizer by data pointer, 0 for every meta tensor), so every rank looks before anything moves
+        meta_after_failure = ctx.model is not None and ctx.world_size == 1 and not ctx.is_fsdp2
+        if ctx.model is not None and not meta_after_failure:
             from .distributed.meta import refuse_unfilled_meta_weights
 
             refuse_unfilled_meta_weights(ctx.model, self._memsafe_meta_gap(ctx), rank=ctx.rank, world_size=ctx.world_size,
@@ -201,25 +205,35 @@ class MemSafeMixin:
         pipeline = self.memsafe_plugin.pipeline
         if not models and not optimizers:
             pipeline = Pipeline(pipeline.stages, MemoryReport(), track_tensors=False,
-                                sample_interval_s=pipeline.sample_interval_s, trim_heap=pipeline.trim_heap)
+                                sample_interval_s=pipeline.sample_interval_s, trim_heap=pipeline.trim_heap,
+                                probe_hooks_without_stages=pipeline.probe_hooks_without_stages)
 
         def upstream(c: HookContext) -> Any:
             new_args = list(args)
             if models:
                 new_args[models[0][0]] = c.model
-            groups = [[list(g["params"]) for g in o.param_groups] for o in c.optimizers]
+            sharded = c.scratch.get("sharded")
+            groups = [[list(g["params"]) for g in o.param_groups] for o in c.optimizers] if sharded else []
             plugin = c.fsdp_plugin
-            ac = getattr(plugin, "activation_checkpointing", False) if c.is_fsdp2 and c.scratch.get("sharded") else False
+            ac = getattr(plugin, "activation_checkpointing", False) if c.is_fsdp2 and sharded else False
             if ac:
                 plugin.activation_checkpointing = False  # already applied by `shard`, before fully_shard
             tp = _compat.tp_already_applied(self) if c.scratch.get("tensor_parallel") else contextlib.nullcontext()
             try:
                 with tp:
                     out = super(MemSafeMixin, self).prepare(*new_args, device_placement=device_placement)
+            except Exception as exc:
+                if meta_after_failure:
+                    from .distributed.meta import meta_weights_failure
+
+                    named = meta_weights_failure(c.model, self._memsafe_meta_gap(c) or "", exc)
+                    if named is not None:
+                        raise named from exc
+                raise
             finally:
                 if ac:
                     plugin.activation_checkpointing = True
-            if c.scratch.get("sharded"):
+            if sharded:
                 # accelerate re-derives the mapping from data pointers; keep ours, which is by name.
                 for o, saved in zip(c.optimizers, groups):
                     for g, params in zip(o.param_groups, saved):

@@ -336,15 +336,19 @@ class Pipeline:
         track_tensors: Whether the probe runs the live-tensor tracker.
         sample_interval_s: Seconds between two samples of the probes' memory thread.
         trim_heap: Whether each probe hands glibc's freed heap back to the kernel first (``memory_trim_heap``).
+        probe_hooks_without_stages: Whether accelerate's own call is probed also in a one-process hook call where no
+            stage ran (``MemSafePlugin.probe_hooks_without_stages``); otherwise it is timed only there.
     """
 
     def __init__(self, stages: Mapping[str, tuple[Stage, ...]], report: MemoryReport, *, track_tensors: bool = True,
-                 sample_interval_s: float = SAMPLE_INTERVAL_S, trim_heap: bool = False):
+                 sample_interval_s: float = SAMPLE_INTERVAL_S, trim_heap: bool = False,
+                 probe_hooks_without_stages: bool = True):
         self.stages = dict(stages)
         self.report = report
         self.track_tensors = track_tensors
         self.sample_interval_s = sample_interval_s
         self.trim_heap = trim_heap
+        self.probe_hooks_without_stages = probe_hooks_without_stages
         self.origin = time.perf_counter()
         self.background = process_work()  # one per process: any accelerator's next hook settles it
 
@@ -363,6 +367,22 @@ class Pipeline:
             self._fail(ctx, stage, exc, probe.result.wall_s if probe.result else 0.0, start)
             raise
         return probe.result, outcome or StageOutcome(), start
+
+    def _time(self, ctx: HookContext, fn: Callable[[HookContext], StageOutcome | None], stage: str):
+        """:meth:`_probe` with the wall time only: no memory reading (each is a system call, 60 µs for the first in a
+        while) and no sampling thread (its wake-up is a hand-off of the GIL)."""
+        t0 = time.perf_counter()
+        try:
+            outcome = fn(ctx)
+        except Exception as exc:
+            self._fail(ctx, stage, exc, time.perf_counter() - t0, t0 - self.origin)
+            raise
+        wall = time.perf_counter() - t0
+        result = ProbeResult(wall_s=wall, cpu_rss_start_bytes=None, cpu_rss_peak_bytes=None, cpu_rss_delta_bytes=None,
+                             cpu_anon_start_bytes=None, cpu_anon_peak_bytes=None, cpu_anon_delta_bytes=None,
+                             device_peak_bytes=None, device_delta_bytes=None, live_tensor_peak_bytes=None,
+                             start_s=t0 - self.origin, segments=[(t0 - self.origin, wall)])
+        return result, outcome or StageOutcome(), t0 - self.origin
 
     def _fail(self, ctx: HookContext, stage: str, exc: Exception, wall: float, start: float) -> None:
         self._failed.append(
@@ -425,16 +445,26 @@ class Pipeline:
                 # a transformers process's 400 000 objects on a busy machine) falls where the allocation counts
                 # say, and inside a stage it stalls every rank waiting in the stage's collectives
                 with gc_paused():
-                    current = "preflight"
-                    with walk.frozen(ctx.model):  # the look: one walk of the tree serves every check
-                        self._preflight(ctx)
-                    walk.thaw(ctx.model)  # and ends here, also where the caller froze it: the stages change the tree
+                    # with peers, the preflight's exchange comes first, on every rank alike; in one process it waits
+                    # for the first stage that runs (before it, as ever): where every stage skips (a single process's
+                    # `prepare`) its announcements and estimates would serve nothing
+                    preflight_due = scope is not None or ctx.world_size > 1
+                    if preflight_due:
+                        current = "preflight"
+                        with walk.frozen(ctx.model):  # the look: one walk of the tree serves every check
+                            self._preflight(ctx)
+                    walk.thaw(ctx.model)  # the look ends here, also where the caller froze it: the stages change the tree
                     for stage in self.stages.get(ctx.hook, ()):
                         current = stage.name
                         reason = self._skip_reason(ctx, stage)
                         if reason is not None:
                             self._skips.append(self._skip_record(ctx, stage.name, reason))
                             continue
+                        if not preflight_due:
+                            current, preflight_due = "preflight", True
+                            with walk.frozen(ctx.model):
+                                self._preflight(ctx)
+                            current = stage.name
                         result, outcome, start = self._probe(ctx, stage.run, stage.name)
                         done.append([stage.name, result, outcome, start, stage])
                 current = "pipeline"
@@ -444,7 +474,13 @@ class Pipeline:
                     scope.agree(f"before `accelerate.{ctx.hook}`", timeout_s=timeout_s)
                 if ctx.skip_upstream is None:
                     current = f"accelerate.{ctx.hook}"
-                    result, outcome, start = self._probe(ctx, call_upstream, current)
+                    # in one process, where no stage ran (its `prepare`), accelerate's call is all the hook is, and
+                    # is timed only: reading memory around it would cost a call of a few milliseconds a tenth of its wall
+                    if done or self.probe_hooks_without_stages or scope is not None or ctx.world_size > 1:
+                        result, outcome, start = self._probe(ctx, call_upstream, current)
+                    else:
+                        result, outcome, start = self._time(ctx, call_upstream, current)
+                        outcome.details["memory_measured"] = False
                     upstream_entry = [current, result, outcome, start, None]
                 with gc_paused():
                     for entry in reversed(done):

@@ -97,6 +97,13 @@ class MemSafePlugin:
     (RSS above the process's earlier high-water mark still is, through ``VmHWM``; device peaks above an earlier
     high-water mark too); the report's ``not_measured`` says so. ``0.002`` samples five times as often."""
 
+    probe_hooks_without_stages: bool = False
+    """Measure memory through accelerate's own call also in a one-process hook call where no stage ran (its
+    ``prepare``, where every stage skips: the plugin changes nothing there). Off: that call is timed only, its record's
+    memory figures are ``None`` (``details["memory_measured"] = False``), and the report's ``not_measured`` says so:
+    the memory readings around it (system calls of up to 60 µs each) cost a call of a few milliseconds a tenth of
+    its wall (docs/benchmarks.md). With several processes accelerate's call is always measured."""
+
     memory_trim_heap: bool = False
     """Hand the heap glibc keeps after frees back to the kernel (``malloc_trim``) before each stage, so that the
     stage's RssAnon figures count what it takes from the kernel, not less where it reuses memory freed before it (a
@@ -149,9 +156,15 @@ class MemSafePlugin:
             "(`memory_sample_interval_s`): a rise and fall of memory inside a stage shorter than that is not seen, "
             "except RSS above the process's earlier high-water mark (VmHWM). Sample more often with "
             "`MemSafePlugin(memory_sample_interval_s=0.002)`, at more CPU time per second of the stage.")
+        if not self.probe_hooks_without_stages:
+            self.report.not_measured["hooks_without_stages"] = (
+                "in a one-process hook call where no stage ran (its `prepare`), accelerate's own call is timed "
+                "only: its record's memory figures are None (`memory_measured` is False in its details). Measure it "
+                "with `MemSafePlugin(probe_hooks_without_stages=True)`.")
         object.__setattr__(self, "_pipeline", Pipeline(instances, self.report, track_tensors=self.track_live_tensors,
                                                        sample_interval_s=self.memory_sample_interval_s,
-                                                       trim_heap=self.memory_trim_heap))
+                                                       trim_heap=self.memory_trim_heap,
+                                                       probe_hooks_without_stages=self.probe_hooks_without_stages))
 
     @property
     def pipeline(self) -> Pipeline:

@@ -319,6 +319,37 @@ def meta_weight_names(model: nn.Module) -> list[str]:
     return [m.name for m in weights_metadata(model) if m.on_meta]
 
 
+def meta_weights_failure(model: nn.Module, gap: str, exc: Exception) -> Exception | None:
+    """What to raise where accelerate's own ``prepare`` failed (``exc``) on one process without FSDP: there the plugin
+    does not walk the model for weights on ``meta`` before the call (the walk would cost a ``prepare`` of a few
+    milliseconds a tenth of its wall), since accelerate's own ``model.to(device)`` refuses such a model, as stock does;
+    this names them once it did. ``None``: the model holds none (``exc`` is not about them).
+
+    Args:
+        model: The model passed to ``prepare``.
+        gap: Why no enabled stage fills weights on ``meta`` here.
+        exc: accelerate's error.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     m = torch.nn.Linear(2, 3)
+        >>> str(meta_weights_failure(m, "one process", NotImplementedError("Cannot copy out of meta tensor"))).split(":")[1]
+        ' the model holds weights on `meta` (no data)'
+    """
+    from ..errors import ConfigError, message_line
+
+    names = meta_weight_names(model)
+    if not names:
+        return None
+    return ConfigError(
+        f"`prepare`: the model holds weights on `meta` (no data): {len(names)} tensor(s), e.g. "
+        f"{', '.join(f'`{x}`' for x in names[:3])}; accelerate's own `prepare` failed on them ({message_line(exc)}), "
+        f"as it does without the plugin, and no enabled stage fills them: {gap}. HINT: give `prepare` a model with "
+        "real weights (`from_pretrained`, or `model.to_empty(device=...)` and your initialisation), or run FSDP2 with "
+        "the default stages, which fill the other ranks' weights from rank 0's."
+    )
+
+
 def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int, world_size: int,
                                  timeout_s: float) -> None:
     """Refuses, on every rank and before anything moves, a model that holds weights on ``meta`` on some rank

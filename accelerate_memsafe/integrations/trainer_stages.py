@@ -171,7 +171,8 @@ def trainer_pipeline(plugin: Any, hook: str, names: tuple[str, ...] | None = Non
     stages = tuple(cls(plugin) for cls in TRAINER_STAGES.get(hook, ())
                    if cls.name in enabled and (names is None or cls.name in names))
     pipeline = Pipeline({hook: stages}, plugin.report, track_tensors=plugin.track_live_tensors,
-                        sample_interval_s=plugin.memory_sample_interval_s, trim_heap=plugin.memory_trim_heap)
+                        sample_interval_s=plugin.memory_sample_interval_s, trim_heap=plugin.memory_trim_heap,
+                        probe_hooks_without_stages=plugin.probe_hooks_without_stages)
     pipeline.origin = plugin.pipeline.origin  # one time axis for the whole report (start_s, timelines)
     return pipeline
 

@@ -149,18 +149,39 @@ def test_build_on_meta_matches_the_loaded_model(tiny_llama_dir):
         assert not meta.training
 
 
-def test_a_single_process_prepare_refuses_a_model_on_meta_with_the_reason():
-    # one process: `meta_placement` does not run (nothing to distribute), so nothing would fill the weights
+def test_a_single_process_prepare_refuses_a_model_on_meta_with_the_reason(monkeypatch):
+    # one process without FSDP: `meta_placement` does not run (nothing to distribute), so nothing fills the weights;
+    # accelerate's own `model.to(device)` refuses them, as stock does, and the plugin then names them (it does not walk
+    # the model before the call: that walk would cost a prepare of a few milliseconds a tenth of its wall)
+    import accelerate
+
     from accelerate_memsafe import Accelerator, ConfigError, MemSafePlugin
 
+    def meta_model_and_optimizer():
+        with torch.device("meta"):
+            model = torch.nn.Linear(3, 4)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor") as stock:
+        accelerate.Accelerator(cpu=True).prepare(*meta_model_and_optimizer())
     acc = Accelerator(plugins=[MemSafePlugin()], cpu=True)
-    with torch.device("meta"):
-        model = torch.nn.Linear(3, 4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ConfigError, match=r"on rank\(s\) \[0\] \(2 tensor\(s\) on rank 0, e\.g\. `weight`, `bias`\).*"
-                                          r"`meta_placement` does not run here \(.+\)"):
+    model, opt = meta_model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"the model holds weights on `meta` \(no data\): 2 tensor\(s\), e\.g\. `weight`, "
+                                          r"`bias`; accelerate's own `prepare` failed on them \(Cannot copy out of meta "
+                                          r"tensor.*`meta_placement` does not run here \(.+\)") as err:
         acc.prepare(model, opt)
-    assert model.weight.is_meta and acc.memsafe_plugin.report.records == []
+    assert isinstance(err.value.__cause__, type(stock.value)), "accelerate's own error is the cause"
+    assert model.weight.is_meta and model.bias.is_meta
+    failed = [(r.stage, r.status) for r in acc.memsafe_plugin.report.records if r.status != "skipped"]
+    assert failed == [("accelerate.prepare", "failed")]
+    # an error of accelerate's call on a model with real weights is not about meta weights: it passes through as it is
+    def boom(self, *args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(accelerate.Accelerator, "prepare_model", boom)
+    real = torch.nn.Linear(3, 4)
+    with pytest.raises(RuntimeError, match="^boom\n"):
+        Accelerator(plugins=[MemSafePlugin()], cpu=True).prepare(real, torch.optim.SGD(real.parameters(), lr=0.1))
 
 
 def test_meta_placement_lets_go_of_the_parameter_list_when_it_runs():

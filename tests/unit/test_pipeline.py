@@ -240,11 +240,15 @@ with tempfile.TemporaryDirectory() as d:
     acc.load_state(d + "/ckpt")
 recs = acc.memsafe_plugin.report.records
 print(json.dumps({"peft_imported": "peft" in sys.modules, "probes": len(probed),
-                  "measured": sum(len(r.segments) for r in recs if not r.details.get("background")),
+                  "measured": sum(len(r.segments) for r in recs
+                                  if not r.details.get("background") and r.details.get("memory_measured", True)),
+                  "timed_only": [(r.hook, r.stage, r.wall_s > 0, r.cpu_rss_peak_bytes, r.cpu_anon_peak_bytes)
+                                 for r in recs if r.details.get("memory_measured") is False],
                   "skipped": [(r.hook, r.stage, r.reason, r.wall_s, r.cpu_anon_peak_bytes, r.live_tensor_peak_bytes)
                               for r in recs if r.status == "skipped"],
                   "live": sorted({str(r.live_tensor_peak_bytes) for r in recs}),
-                  "anon_measured": all(r.cpu_anon_peak_bytes for r in recs if r.segments and not r.details.get("background")),
+                  "anon_measured": all(r.cpu_anon_peak_bytes for r in recs if r.segments and not r.details.get("background")
+                                       and r.details.get("memory_measured", True)),
                   "not_measured": acc.memsafe_plugin.report.to_dict().get("not_measured"),
                   "markdown_note": "Not measured: `live_tensor_peak_bytes`" in acc.memsafe_plugin.report.to_markdown()}))
 '''
@@ -266,6 +270,9 @@ def test_default_pipeline_skips_cost_no_probe_and_no_import():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not out["peft_imported"], "a load_state of a model that is not a PeftModel imported peft"
     assert out["probes"] == out["measured"], out  # one probe per measured part (run, accelerate's call, after)
+    # the one hook call where every stage skipped (prepare: one process, no FSDP) times accelerate's call only
+    assert out["timed_only"] == [["prepare", "accelerate.prepare", True, None, None]], out
+    assert "probe_hooks_without_stages=True" in out["not_measured"]["hooks_without_stages"]
     skipped = {(hook, stage): rest for hook, stage, *rest in out["skipped"]}
     assert skipped[("load_state", "peft_cpu_reload")] == ["no PEFT model", 0, None, None]
     for stage in ("meta_placement", "shard", "buffer_init", "optimizer_offload", "dataloader_resume"):
@@ -273,3 +280,83 @@ def test_default_pipeline_skips_cost_no_probe_and_no_import():
     # the live-tensor tracker is off by default: no record claims a tensor peak, and the report says why
     assert out["live"] == ["None"] and out["anon_measured"]
     assert "tracker is off" in out["not_measured"]["live_tensor_peak_bytes"] and out["markdown_note"]
+
+
+@pytest.mark.parametrize("probe_them", [False, True])
+def test_accelerates_call_in_a_hook_where_no_stage_ran_is_timed_only_unless_asked(monkeypatch, probe_them):
+    """Where every stage skipped, the hook is accelerate's call alone: by default it is timed, not probed (the memory
+    readings and the sampling thread's wake-up would cost a call of a few milliseconds a tenth of its wall); with
+    ``probe_hooks_without_stages=True`` it is probed like any other part. A hook where a stage ran probes it always."""
+    import accelerate_memsafe.pipeline as pipeline_mod
+    from accelerate_memsafe import MemSafePlugin
+
+    monkeypatch.setattr(pipeline_mod, "MemoryProbe", _CountingProbe)
+    _CountingProbe.made = []
+    plugin = MemSafePlugin(probe_hooks_without_stages=probe_them)
+    assert ("hooks_without_stages" in plugin.report.not_measured) is not probe_them
+    log: list[str] = []
+
+    class NotHere(_Log):
+        def skip_reason(self, ctx):
+            return "not here"
+
+    report = MemoryReport()
+    pipe = Pipeline({"save_state": (NotHere("a", log),)}, report, probe_hooks_without_stages=probe_them)
+    size = 64 << 20
+
+    def upstream(ctx):
+        held = torch.ones(size // 4)
+        return int(held[0].item())
+
+    assert pipe.run(_ctx(), upstream) == 1 and log == []
+    rec = report.find(stage="accelerate.save_state")[0]
+    assert rec.status == "ran" and rec.wall_s > 0 and len(rec.segments) == 1
+    assert len(_CountingProbe.made) == int(probe_them)
+    if probe_them:
+        assert rec.cpu_anon_peak_bytes >= rec.cpu_anon_start_bytes + size * 0.9 and "memory_measured" not in rec.details
+    else:
+        assert rec.details == {"memory_measured": False} and rec.timeline == []
+        assert all(getattr(rec, k) is None for k in RECORD_KEYS if k.endswith("_bytes"))
+    # a stage that runs: accelerate's call is probed, whatever the option
+    _CountingProbe.made = []
+    report = MemoryReport()
+    Pipeline({"save_state": (_Log("b", log),)}, report, probe_hooks_without_stages=probe_them).run(_ctx(), upstream)
+    assert len(_CountingProbe.made) == 3 and report.find(stage="accelerate.save_state")[0].cpu_anon_peak_bytes
+
+
+@pytest.mark.parametrize("runs", [False, True])
+def test_one_process_preflight_waits_for_the_first_stage_that_runs(runs):
+    """In one process the preflight (announcements, estimates, the memory check) comes right before the first stage
+    that runs, and not at all where every stage skips; its check still refuses before that stage starts."""
+    from accelerate_memsafe import MemoryBudgetError, MemSafePlugin
+    from accelerate_memsafe.pipeline import MemoryEstimate
+
+    log: list[str] = []
+
+    class Announcing(_Log):
+        def skip_reason(self, ctx):
+            log.append(f"skip_reason:{self.name}")
+            return None if runs else "not here"
+
+        def announce(self, ctx):
+            log.append(f"announce:{self.name}")
+
+        def estimate(self, ctx):
+            log.append(f"estimate:{self.name}")
+            return MemoryEstimate(cpu_bytes=1 << 60, what="a 1 EiB tensor")
+
+    class Skipping(_Log):
+        def skip_reason(self, ctx):
+            log.append(f"skip_reason:{self.name}")
+            return "never here"
+
+    ctx = _ctx()
+    ctx.options = MemSafePlugin(stages=["shard"])
+    pipe = Pipeline({"save_state": (Skipping("first", log), Announcing("second", log))}, MemoryReport())
+    if runs:
+        with pytest.raises(MemoryBudgetError, match=r"stage `second` at hook `save_state` on rank 0 would not fit"):
+            pipe.run(ctx, lambda c: log.append("upstream"))
+        assert log == ["skip_reason:first", "skip_reason:second", "announce:second", "estimate:second"]
+    else:
+        pipe.run(ctx, lambda c: log.append("upstream"))
+        assert log == ["skip_reason:first", "skip_reason:second", "upstream"]
