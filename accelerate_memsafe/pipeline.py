@@ -434,6 +434,7 @@ class Pipeline:
         timeout_s = getattr(ctx.options, "collective_timeout_s", None) or 600.0
         current = "pipeline"
         with hook_scope(ctx.hook, rank=ctx.rank, world_size=ctx.world_size) as scope:
+            peers = scope is not None or ctx.world_size > 1
             try:
                 if scope is not None:
                     check_not_abandoned()
@@ -448,7 +449,7 @@ class Pipeline:
                     # with peers, the preflight's exchange comes first, on every rank alike; in one process it waits
                     # for the first stage that runs (before it, as ever): where every stage skips (a single process's
                     # `prepare`) its announcements and estimates would serve nothing
-                    preflight_due = scope is not None or ctx.world_size > 1
+                    preflight_due = peers
                     if preflight_due:
                         current = "preflight"
                         with walk.frozen(ctx.model):  # the look: one walk of the tree serves every check
@@ -476,7 +477,7 @@ class Pipeline:
                     current = f"accelerate.{ctx.hook}"
                     # in one process, where no stage ran (its `prepare`), accelerate's call is all the hook is, and
                     # is timed only: reading memory around it would cost a call of a few milliseconds a tenth of its wall
-                    if done or self.probe_hooks_without_stages or scope is not None or ctx.world_size > 1:
+                    if done or self.probe_hooks_without_stages or peers:
                         result, outcome, start = self._probe(ctx, call_upstream, current)
                     else:
                         result, outcome, start = self._time(ctx, call_upstream, current)
