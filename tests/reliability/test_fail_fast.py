@@ -66,6 +66,21 @@ def test_rank1_error_in_buffer_init_reaches_rank0_within_seconds():
         assert out["elapsed"] < WITHIN_S, out
 
 
+def test_rank1_error_after_the_last_collective_of_prepare_reaches_rank0_at_the_end_of_the_hook():
+    """Rank 1 fails after every collective of the stages: accelerate's own prepare of the sharded model issues none
+    (counted), so rank 0 was not held before it; rank 0 meets the failure at the agreement at the end of the hook,
+    within seconds, with no collective pending."""
+    r0, r1 = _run(failing_rank=1, stage="buffer_init", when="after")
+    assert r1["error"] == "RuntimeError" and INJECTED in r1["message"], r1
+    assert r0["error"] == "PeerStageError", r0
+    msg = r0["message"]
+    assert "stage `buffer_init` at hook `prepare` failed on rank 1" in msg, msg
+    assert "at the agreement at the end of hook `prepare`" in msg, msg
+    assert r0["collective_abandoned"] is False, r0
+    for out in (r0, r1):
+        assert out["elapsed"] < WITHIN_S, out
+
+
 def test_next_hook_after_an_abandoned_collective_is_refused_on_every_rank(tmp_path):
     """Rank 1 gave up on a scatter rank 0 never joined: the ranks' next collectives would pair up wrongly,
     so the next hook fails on every rank at once, saying why, instead of exchanging the wrong data."""

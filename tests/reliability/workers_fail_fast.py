@@ -24,7 +24,8 @@ def _accelerator(**options: Any):
 
 def _inject(stage: str, when: str) -> None:
     """Makes this rank raise in ``stage``: ``when="before"`` its first collective, ``"while"`` in the
-    middle of the scatter (rank 0 reading a weight after some buckets went out)."""
+    middle of the scatter (rank 0 reading a weight after some buckets went out), ``"after"`` its last one
+    (``buffer_init``)."""
     from accelerate_memsafe.errors import CheckpointError
 
     if stage == "rank0_distribute":
@@ -50,7 +51,11 @@ def _inject(stage: str, when: str) -> None:
     elif stage == "buffer_init":
         import accelerate_memsafe.stages.buffer_init as mod
 
+        original_init = mod.init_non_persistent_buffers
+
         def init_buffers(*args: Any, **kwargs: Any) -> Any:
+            if when == "after":  # its collectives done: the last of the stages' before accelerate's call
+                original_init(*args, **kwargs)
             raise RuntimeError(INJECTED)
 
         mod.init_non_persistent_buffers = init_buffers
