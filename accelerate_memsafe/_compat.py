@@ -12,11 +12,6 @@
    that the next epoch is built once (``start_next_epoch_fresh``).
 5. ``accelerate.big_modeling._attach_context_parallel_hooks``: its refusal of a model that context parallelism cannot
    run is asked before any stage changes the model (``context_parallel_refusal``).
-6. ``Accelerator._prepare_fsdp2`` / ``fsdp2_prepare_model``: given a model the ``shard`` stage already wrapped (an
-   ``FSDPModule``), accelerate's FSDP2 ``prepare`` returns it at once and issues no collective
-   (``sharded_prepare_is_local``); the pipeline then skips its agreement before that call. Counted, not read:
-   ``collectives_issued`` (torch's private per-group sequence numbers) brackets the call, and the distributed tests
-   assert it issued none in every FSDP2 setting they run.
 """
 
 from __future__ import annotations
@@ -173,46 +168,6 @@ def fsdp2_wrap(
         device=device,
     )
     return fsdp2_prepare_model(view, model)
-
-
-#: accelerate versions whose FSDP2 ``prepare`` of a model the ``shard`` stage already wrapped was counted to issue no
-#: collective (``tests/distributed``: every FSDP2 setting they run): outside them the agreement before it stays.
-LOCAL_SHARDED_PREPARE = (Version("1.15.0"), Version("1.16.0"))
-
-
-@functools.cache
-def sharded_prepare_is_local(version: str | None = None) -> bool:
-    """Whether accelerate's FSDP2 ``prepare`` of a model the ``shard`` stage already wrapped issues no collective
-    with this accelerate (``version``: another one's, for tests). ``_prepare_fsdp2`` prepares the optimizers,
-    schedulers and dataloaders (no collective: the dataloaders' broadcasts come with their batches) and
-    ``fsdp2_prepare_model`` returns an ``FSDPModule`` as it is. No warning outside the checked versions: the
-    pipeline then keeps its agreement before the call, as it always did.
-
-    Example:
-        >>> sharded_prepare_is_local("1.15.0"), sharded_prepare_is_local("1.16.0")
-        (True, False)
-    """
-    return _in_range(Version(version or accelerate.__version__), LOCAL_SHARDED_PREPARE)
-
-
-def collectives_issued() -> int | None:
-    """How many collectives this process has issued on its process groups so far: the sum of their sequence numbers
-    (``ProcessGroup._get_sequence_number_for_group``, private; gloo and NCCL keep one per group). ``None`` without a
-    process group, or where a group keeps none (a backend without sequence numbers): nothing to count then.
-    A few microseconds: one call per group.
-
-    Example:
-        >>> collectives_issued() is None  # no process group here
-        True
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return sum(int(pg._get_sequence_number_for_group()) for pg in list(dist.distributed_c10d._world.pg_map))
-    except Exception:  # a backend without sequence numbers, or torch moved them
-        return None
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from . import _compat, walk
+from . import walk
 from .background import BackgroundWork, process_work
 from .errors import PipelineError
 from .memory.limits import cpu_memory_limit
@@ -29,22 +29,6 @@ if TYPE_CHECKING:
 HOOKS = ("prepare", "load_state", "save_state", "save_model")
 #: ``ctx.scratch`` key of what every rank announced before the stages ran: stage name -> values in rank order.
 ANNOUNCED_KEY = "announced"
-#: ``ctx.scratch`` key a stage sets (to ``True``, on every rank alike: decided from what every rank announced) when
-#: accelerate's own call of the hook issues no collective after it (``prepare`` of a model ``shard`` wrapped): the
-#: pipeline then looks at the failure board before that call instead of holding every rank at an agreement there;
-#: a peer that fails meanwhile is met at the agreement at the end of the hook. The call is bracketed by a count of
-#: the collectives issued, in its record's details (``collectives_issued``).
-UPSTREAM_LOCAL_KEY = "upstream_local"
-
-# the hooks whose accelerate call was counted issuing a collective where UPSTREAM_LOCAL_KEY was set: the stages
-# stop saying it for them (`upstream_stayed_local`), and the agreement before the call is back
-_UPSTREAM_NOT_LOCAL: set[str] = set()
-
-
-def upstream_stayed_local(hook: str) -> bool:
-    """``False`` once accelerate's call of ``hook`` was counted issuing a collective in this process where a stage
-    had said it would issue none (a stage asks before it says so again; see :data:`UPSTREAM_LOCAL_KEY`)."""
-    return hook not in _UPSTREAM_NOT_LOCAL
 
 
 @dataclass
@@ -485,18 +469,12 @@ class Pipeline:
                         result, outcome, start = self._probe(ctx, stage.run, stage.name)
                         done.append([stage.name, result, outcome, start, stage])
                 current = "pipeline"
-                local = scope is not None and ctx.skip_upstream is None and bool(ctx.scratch.get(UPSTREAM_LOCAL_KEY))
-                if local:
-                    # accelerate's call issues no collective here (every rank said so): a peer's failure already
-                    # published stops this rank now; a later one is met at the agreement at the end of the hook
-                    scope.raise_if_peer_failed(stopped=f"before `accelerate.{ctx.hook}` (its own stages had finished)")
-                elif scope is not None:
+                if scope is not None:
                     # a rank whose stages are done must not enter accelerate's own collectives (which cannot
                     # be interrupted) while a peer has failed
                     scope.agree(f"before `accelerate.{ctx.hook}`", timeout_s=timeout_s)
                 if ctx.skip_upstream is None:
                     current = f"accelerate.{ctx.hook}"
-                    issued = _compat.collectives_issued() if local else None
                     # in one process, where no stage ran (its `prepare`), accelerate's call is all the hook is, and
                     # is timed only: reading memory around it would cost a call of a few milliseconds a tenth of its wall
                     if done or self.probe_hooks_without_stages or peers:
@@ -504,8 +482,6 @@ class Pipeline:
                     else:
                         result, outcome, start = self._time(ctx, call_upstream, current)
                         outcome.details["memory_measured"] = False
-                    if local:
-                        outcome.details.update(agreement_before=False, **_counted_upstream(ctx.hook, issued))
                     upstream_entry = [current, result, outcome, start, None]
                 with gc_paused():
                     for entry in reversed(done):
@@ -638,24 +614,3 @@ class Pipeline:
             details=dict(outcome.details),
             timeline=[[s.t, s.rss, s.anon] for s in result.timeline],
         )
-
-
-def _counted_upstream(hook: str, before: int | None) -> dict[str, Any]:
-    """The details of accelerate's call of ``hook`` run without the agreement before it (:data:`UPSTREAM_LOCAL_KEY`):
-    how many collectives it issued (``before``: the count when it began; none counted: ``{}``). Any at all: a warning,
-    and this process's later calls of the hook get their agreement back (:func:`upstream_stayed_local`)."""
-    after = _compat.collectives_issued()
-    if before is None or after is None:
-        return {}
-    if after != before:
-        import warnings
-
-        import accelerate
-
-        _UPSTREAM_NOT_LOCAL.add(hook)
-        warnings.warn(
-            f"accelerate_memsafe: accelerate {accelerate.__version__}'s own `{hook}` issued {after - before} collective(s) "
-            "where the plugin counted on none, so the ranks did not wait for each other before it (a rank failing just "
-            f"then could leave the others in those collectives until the process group's timeout). Later `{hook}` "
-            "calls of this process wait again. Please report it with the versions involved.", stacklevel=3)
-    return {"collectives_issued": after - before}

@@ -5,37 +5,19 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .. import _compat
 from ..distributed.local_read import MappedParameterPages
 from ..distributed.sharding import fsdp2_prepare_skip_reason, shard_model
-from ..pipeline import ANNOUNCED_KEY, UPSTREAM_LOCAL_KEY, HookContext, Stage, StageOutcome, ran, upstream_stayed_local
+from ..pipeline import ANNOUNCED_KEY, HookContext, Stage, StageOutcome, ran
 from .meta_placement import IN_PLACE_KEY
-
-
-def _announcements(ctx: HookContext) -> list | None:
-    """Every rank's announcement of ``shard`` (:meth:`ShardStage.announce`), or ``None`` unless every rank made one."""
-    said = ctx.scratch.get(ANNOUNCED_KEY, {}).get(ShardStage.name)
-    if said is None or len(said) != ctx.world_size or any(a is None for a in said):
-        return None
-    return said
 
 
 def announced_tp_problem(ctx: HookContext) -> tuple[bool, str | None]:
     """``(complete, problem)`` from every rank's verdict on the TP plan in the preflight's announcements: whether
     every rank announced one, and why the plan is declined (``None``: every rank applies it), the same on every rank."""
-    said = _announcements(ctx)
-    verdicts = [a[0] for a in said] if said is not None else None
-    if verdicts is None or any(v is None for v in verdicts):
+    verdicts = ctx.scratch.get(ANNOUNCED_KEY, {}).get(ShardStage.name)
+    if verdicts is None or len(verdicts) != ctx.world_size or any(v is None for v in verdicts):
         return False, None
     return True, _declined(verdicts)
-
-
-def announced_local_upstream(ctx: HookContext) -> bool:
-    """Whether every rank announced that accelerate's ``prepare`` issues no collective once this stage has wrapped
-    the model (:func:`~accelerate_memsafe._compat.sharded_prepare_is_local`, and not counted otherwise in this
-    process): the same on every rank, so every rank skips the agreement before that call or none does."""
-    said = _announcements(ctx)
-    return said is not None and all(a[1] for a in said)
 
 
 def _declined(verdicts: list) -> str | None:
@@ -65,20 +47,15 @@ class ShardStage(Stage):
                                          parallelism_config=ctx.scratch.get("parallelism_config"))
 
     def announce(self, ctx: HookContext) -> Any:
-        """Where the stage runs, ``(tp_verdict, local)``, sent with the preflight exchange. ``tp_verdict``: with
-        ``tp_size > 1``, this rank's verdict on the model's TP plan (``("tp", None)``: it applies; else why not,
-        :func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`), so that every rank applies the
-        plan or none does (:meth:`run` declines it if any rank did); else ``None``. ``local``: whether accelerate's
-        own ``prepare`` issues no collective after this stage here (:func:`announced_local_upstream`)."""
-        if self.skip_reason(ctx) is not None:
-            return None
-        local = _compat.sharded_prepare_is_local() and upstream_stayed_local(ctx.hook)
+        """With ``tp_size > 1``: this rank's verdict on the model's TP plan (``("tp", None)``: it applies; else why
+        not, :func:`~accelerate_memsafe.distributed.tensor_parallel.tp_plan_problem`), sent with the preflight
+        exchange so that every rank applies the plan or none does (:meth:`run` declines it if any rank did)."""
         tp = ctx.parallel_size("tp_size")
-        if tp < 2:
-            return (None, local)
+        if tp < 2 or self.skip_reason(ctx) is not None:
+            return None
         from ..distributed.tensor_parallel import tp_plan_problem
 
-        return (("tp", tp_plan_problem(ctx.model, tp)), local)
+        return ("tp", tp_plan_problem(ctx.model, tp))
 
     def _agreed_tp_problem(self, ctx: HookContext, tp: int) -> str | None:
         """Why the TP plan is declined, from every rank's verdict (the preflight's announcements, else one
@@ -140,8 +117,6 @@ class ShardStage(Stage):
             tp_declined=problem,
         )
         ctx.scratch["sharded"] = True
-        if announced_local_upstream(ctx):
-            ctx.scratch[UPSTREAM_LOCAL_KEY] = True
         dropped = {"file_pages_dropped_bytes": pages.bytes_dropped} if pages is not None else {}
         # the walls of accelerate's own wrapping and of freeing the unsharded weights (a stock `prepare` runs both too),
         # and the part of the wrapping spent in the plugin's callbacks: the rest of the stage is the plugin's own work

@@ -74,13 +74,6 @@ def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_s
             failures.append(f"{cell}: loss {s['loss']} vs reference {s['ref_loss']}")
         if s["stock_loss"] is not None and s["loss"] != s["stock_loss"]:
             failures.append(f"{cell}: loss {s['loss']} vs stock accelerate {s['stock_loss']} (must be equal)")
-        # after `shard`, accelerate's own prepare issues no collective (counted), so no agreement held the ranks
-        # before it; on stock's path (no stage ran) the agreement stays, and nothing is counted
-        if [{k: u.get(k) for k in ("agreement_before", "collectives_issued")} for u in s["upstream"]] != [
-                {"agreement_before": False, "collectives_issued": 0}]:
-            failures.append(f"{cell}: accelerate's prepare after `shard`: {s['upstream']}")
-        if s["stock_upstream"] is not None and any("agreement_before" in u for u in s["stock_upstream"]):
-            failures.append(f"{cell}: stock's path skipped the agreement: {s['stock_upstream']}")
     assert not failures, "\n".join(failures)
     if family == "llama_tied":  # the common case: stock accelerate runs every cell but size_based_wrap
         assert {s["cell"] for s in summaries if s["stock_error"]} == {"size_based_wrap"}, summaries

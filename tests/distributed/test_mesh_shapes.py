@@ -18,12 +18,6 @@ def small_llama_dir(tmp_path_factory):
     return save_llama(tmp_path_factory.mktemp("small-llama"), "small")
 
 
-def _upstream(ran: dict) -> dict:
-    """Whether the ranks met before accelerate's own prepare, and how many collectives it issued (its record)."""
-    details = ran["accelerate.prepare"]["details"]
-    return {k: details.get(k) for k in ("agreement_before", "collectives_issued")}
-
-
 def test_hsdp_2x2_rank0_load_is_bitwise_a_single_process_load(small_llama_dir):
     results = run_on_ranks(
         workers_prepare.prepare_llama, 4, init_process_group=False, timeout=240, model_dir=str(small_llama_dir),
@@ -36,8 +30,6 @@ def test_hsdp_2x2_rank0_load_is_bitwise_a_single_process_load(small_llama_dir):
         assert set(res["placements"].values()) == {"(Replicate(), Shard(dim=0))"}
         ran = {r["stage"]: r for r in res["report"]["records"] if r["rank"] == rank}
         assert all(ran[s]["status"] == "ran" for s in ("meta_placement", "shard", "rank0_distribute", "buffer_init"))
-        # accelerate's own prepare of the sharded model issued no collective on any group (counted): no agreement before it
-        assert _upstream(ran) == {"agreement_before": False, "collectives_issued": 0}, ran["accelerate.prepare"]
         if rank:
             full = {s for s in res["full_shapes"].values() if s[0] >= 2}
             assert [a for a in res["allocs"] if a[1] in full] == [], f"rank {rank} allocated a full-size parameter"
@@ -74,7 +66,6 @@ def test_fsdp_x_tp_2x2_through_accelerate_prepare_is_bitwise_a_single_process_lo
         # the modules the report counts are the ones whose weight the TP plan split over the `tp` dimension (how many
         # depends on transformers' plan for Llama: 30 in 5.24, 29 in 5.17), and every decoder linear is among them
         assert ran["shard"]["details"]["tp_size"] == 2 and ran["shard"]["details"]["tp_modules"] == len(tp_split)
-        assert _upstream(ran) == {"agreement_before": False, "collectives_issued": 0}, ran["accelerate.prepare"]
         # the TP forward (all-reduces in another order) computes the single-process loss
         assert abs(res["loss"] - res["single_process_loss"]) <= 1e-5, (res["loss"], res["single_process_loss"])
         if rank:

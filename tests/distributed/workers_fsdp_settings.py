@@ -88,7 +88,6 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         model = auto.from_pretrained(model_dir) if stock else accelerate_memsafe.from_pretrained(auto, model_dir)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
-        upstream = [r.details for r in acc.memsafe_plugin.report.find(hook="prepare", stage="accelerate.prepare")]
         state = _full_state(model)
         ties = _tie_groups(model)
         batch = _batch(model)
@@ -98,7 +97,7 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         model(**batch).loss.backward()
         opt.step()
         finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all()) for p in model.parameters())
-        return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite, "upstream": upstream,
+        return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite,
                 "error": None, "dtypes": {n: str(t.dtype) for n, t in state.items()}}
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", "trace": traceback.format_exc()[-2000:]}
@@ -139,8 +138,7 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
             summary.update(
                 differ=differ, missing=[n for n in expected if n not in plugin["state"]],
                 ties=plugin["ties"], ref_ties=ref["ties"], loss=plugin["loss"], ref_loss=ref["loss"],
-                stock_loss=stock.get("loss"), finite=plugin["finite"], upstream=plugin["upstream"],
-                stock_upstream=stock.get("upstream"),
+                stock_loss=stock.get("loss"), finite=plugin["finite"],
             )
         else:
             summary["plugin_trace"] = plugin["trace"]

@@ -66,16 +66,15 @@ def test_rank1_error_in_buffer_init_reaches_rank0_within_seconds():
         assert out["elapsed"] < WITHIN_S, out
 
 
-def test_rank1_error_after_the_last_collective_of_prepare_reaches_rank0_at_the_end_of_the_hook():
-    """Rank 1 fails after every collective of the stages: accelerate's own prepare of the sharded model issues none
-    (counted), so rank 0 was not held before it; rank 0 meets the failure at the agreement at the end of the hook,
-    within seconds, with no collective pending."""
+def test_rank1_error_after_the_last_collective_of_prepare_stops_rank0_before_accelerates_call():
+    """Rank 1 fails after every collective of the stages: rank 0, its stages done, is held at the agreement before
+    accelerate's own prepare and raises there, within seconds, with no collective pending."""
     r0, r1 = _run(failing_rank=1, stage="buffer_init", when="after")
     assert r1["error"] == "RuntimeError" and INJECTED in r1["message"], r1
     assert r0["error"] == "PeerStageError", r0
     msg = r0["message"]
     assert "stage `buffer_init` at hook `prepare` failed on rank 1" in msg, msg
-    assert "at the agreement at the end of hook `prepare`" in msg, msg
+    assert "at the agreement before `accelerate.prepare`" in msg, msg
     assert r0["collective_abandoned"] is False, r0
     for out in (r0, r1):
         assert out["elapsed"] < WITHIN_S, out

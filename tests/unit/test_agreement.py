@@ -265,33 +265,3 @@ def test_collectives_run_on_the_accelerator_only_where_one_is_usable(monkeypatch
                         lambda check_available=False: torch.device(accelerator) if accelerator else None)
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: available)
     assert collectives._comm_device(None).type == expected
-
-
-def test_the_agreement_before_accelerates_prepare_is_left_out_only_where_every_rank_said_it_is_local(monkeypatch):
-    """`shard` announces whether accelerate's own prepare issues no collective after it; the agreement before that
-    call is left out only where every rank said so (a rank with another accelerate keeps it for all), and once a
-    call was counted issuing a collective, this process says so no more (and warns)."""
-    import torch
-
-    from accelerate_memsafe import MemSafePlugin, _compat, pipeline
-    from accelerate_memsafe.pipeline import ANNOUNCED_KEY, HookContext
-    from accelerate_memsafe.stages.shard import ShardStage, announced_local_upstream
-
-    stage = ShardStage(MemSafePlugin())
-    ctx = HookContext(hook="prepare", rank=0, world_size=2, device=torch.device("cpu"), options=stage.options,
-                      model=torch.nn.Linear(2, 2), is_fsdp2=True)
-    assert stage.announce(ctx) == (None, True)
-    for said, local in [([(None, True), (None, True)], True), ([(None, True), (None, False)], False),
-                        ([(None, True), None], False), ([(None, True)], False)]:
-        ctx.scratch[ANNOUNCED_KEY] = {"shard": said}
-        assert announced_local_upstream(ctx) is local, said
-    monkeypatch.setattr(pipeline, "_UPSTREAM_NOT_LOCAL", set())
-    counts = iter([7, 7, 7, 9, 9])
-    monkeypatch.setattr(_compat, "collectives_issued", lambda: next(counts))
-    assert pipeline._counted_upstream("prepare", _compat.collectives_issued()) == {"collectives_issued": 0}
-    assert stage.announce(ctx) == (None, True)
-    with pytest.warns(UserWarning, match=r"own `prepare` issued 2 collective\(s\) where the plugin counted on none"):
-        assert pipeline._counted_upstream("prepare", _compat.collectives_issued()) == {"collectives_issued": 2}
-    assert not pipeline.upstream_stayed_local("prepare") and pipeline.upstream_stayed_local("save_state")
-    assert stage.announce(ctx) == (None, False)  # this process's next prepare keeps the agreement, on every rank
-    assert pipeline._counted_upstream("prepare", None) == {}  # nothing counted (no sequence numbers): nothing said

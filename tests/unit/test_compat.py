@@ -130,29 +130,3 @@ def test_context_parallel_refusal_is_accelerates_own_and_attaches_nothing():
     with pytest.raises(ValueError) as theirs:
         _attach_context_parallel_hooks(sliding)
     assert mine == str(theirs.value) and "(model MistralForCausalLM)" in mine
-
-
-def test_a_sharded_prepare_counts_as_local_only_for_the_checked_accelerate_versions():
-    assert _compat.sharded_prepare_is_local() is True  # the installed one is checked (tests/distributed count it)
-    assert _compat.sharded_prepare_is_local("1.14.9") is False and _compat.sharded_prepare_is_local("1.16.0") is False
-
-
-def test_collectives_issued_counts_every_collective_of_every_group():
-    import torch
-    import torch.distributed as dist
-
-    from tests.spawn import free_port
-
-    assert _compat.collectives_issued() is None  # no process group: nothing to count
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    start = _compat.collectives_issued()
-    assert start is not None
-    dist.all_reduce(torch.ones(2))
-    sub = dist.new_group([0])
-    assert _compat.collectives_issued() == start + 1
-    dist.broadcast(torch.ones(2), 0, group=sub)
-    dist.barrier()
-    assert _compat.collectives_issued() >= start + 3  # a barrier is at least one collective of its own
-    before = _compat.collectives_issued()
-    dist.distributed_c10d._get_default_store().set("not/a/collective", b"1")  # the agreements' traffic: not counted
-    assert _compat.collectives_issued() == before

@@ -226,8 +226,8 @@ def test_the_preflight_estimate_holds_a_block_per_dp_shard_under_hsdp_and_a_decl
     assert estimate(None) == 3 * 4 * MIB
     assert estimate(ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)) == 5 * 4 * MIB
     tp = ParallelismConfig(dp_shard_size=2, tp_size=2)
-    assert estimate(tp, [(("tp", None), True)] * 4) == 3 * 4 * MIB, "every rank applies the plan: 1/4 of the weight"
-    assert estimate(tp, [(("tp", None), True)] * 3 + [(("tp", "rank 3 declined it"), True)]) == 5 * 4 * MIB
+    assert estimate(tp, [("tp", None)] * 4) == 3 * 4 * MIB, "every rank applies the plan: 1/4 of the weight"
+    assert estimate(tp, [("tp", None)] * 3 + [("tp", "rank 3 declined it")]) == 5 * 4 * MIB
     # without the exchange's verdicts the stage asks the same check itself (a bare Linear has no TP plan)
     assert estimate(tp) == 5 * 4 * MIB
 

@@ -180,15 +180,15 @@ def test_every_rank_applies_the_plan_or_none_does():
     stage = ShardStage(MemSafePlugin())
     ctx = HookContext(hook="prepare", rank=0, world_size=2, device=torch.device("cpu"), options=stage.options,
                       model=Runnable(PLAN), is_fsdp2=True, scratch={"parallelism_config": config})
-    assert stage.announce(ctx) == (("tp", None), True)  # what this rank sends with the preflight exchange
-    ctx.scratch[ANNOUNCED_KEY] = {"shard": [(("tp", None), True), (("tp", None), True)]}
+    assert stage.announce(ctx) == ("tp", None)  # what this rank sends with the preflight exchange
+    ctx.scratch[ANNOUNCED_KEY] = {"shard": [("tp", None), ("tp", None)]}
     assert stage._agreed_tp_problem(ctx, 2) is None
     # one rank's model differs (a user's edit on that rank only): no rank applies the plan, and the reason names it
-    ctx.scratch[ANNOUNCED_KEY] = {"shard": [(("tp", None), True), (("tp", "the model's forward does not run with ..."), True)]}
+    ctx.scratch[ANNOUNCED_KEY] = {"shard": [("tp", None), ("tp", "the model's forward does not run with ...")]}
     assert stage._agreed_tp_problem(ctx, 2) == "rank 1: the model's forward does not run with ..."
-    # without a tp dimension no verdict is announced, and nothing is rehearsed
+    # without a tp dimension nothing is announced, and nothing is rehearsed
     ctx.scratch["parallelism_config"] = type("PC", (), {"tp_size": 1})()
-    assert stage.announce(ctx) == (None, True)
+    assert stage.announce(ctx) is None
 
 
 def test_a_model_that_cannot_be_copied_is_declined_unchecked_not_raised():
