@@ -12,7 +12,9 @@ accelerator ("Cannot access accelerator device"), and a BERT masked LM (tied dec
 
 from __future__ import annotations
 
+import accelerate
 import pytest
+from packaging.version import Version
 
 from tests.distributed import workers_fsdp_settings as w
 from tests.spawn import run_on_ranks
@@ -76,7 +78,12 @@ def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_s
             failures.append(f"{cell}: loss {s['loss']} vs stock accelerate {s['stock_loss']} (must be equal)")
     assert not failures, "\n".join(failures)
     if family == "llama_tied":  # the common case: stock accelerate runs every cell but size_based_wrap
-        assert {s["cell"] for s in summaries if s["stock_error"]} == {"size_based_wrap"}, summaries
+        failed = {s["cell"]: s["stock_error"] for s in summaries if s["stock_error"]}
+        if Version(accelerate.__version__) >= Version("1.15"):
+            assert set(failed) == {"size_based_wrap"}, summaries
+        else:  # accelerate 1.14 groups the tied head apart from the embedding, which torch >= 2.13 refuses
+            assert "size_based_wrap" in failed, summaries
+            assert all("already managed by another FSDP group" in e for c, e in failed.items() if c != "size_based_wrap"), failed
 
 
 def test_tensor_subclass_parameters_are_refused_on_every_rank_before_anything_moves(checkpoints):

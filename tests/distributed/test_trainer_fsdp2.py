@@ -54,7 +54,11 @@ def test_training_checkpoints_best_model_and_resume_match_the_stock_trainer(suit
         assert mine["losses"] == stock["losses"] and len(mine["losses"]) == 4
         # load_best_model_at_end: the best checkpoint (step 2, not the last), reloaded CPU-first, as stock
         assert mine["best"] == str(out / f"{name}-memsafe" / "checkpoint-2") and stock["best"].endswith("checkpoint-2")
-        assert all(torch.equal(mine["adapter"][k], v) for k, v in stock["adapter"].items()) and mine["adapter"].keys() == stock["adapter"].keys()
+        # before accelerate 1.15 the stock Trainer cannot reload a FULL_STATE_DICT adapter (it raises on rank 1:
+        # `workers_trainer.stock_reloads_a_full_state_dict_adapter`): its saved best adapter is the reference there
+        reference = stock["adapter"] if name == "sft" or w.stock_reloads_a_full_state_dict_adapter() else stock["saved"][2]
+        assert mine["adapter"].keys() == reference.keys()
+        assert all(torch.equal(mine["adapter"][k], v) for k, v in reference.items())
         assert all(torch.equal(mine["adapter"][k], v) for k, v in mine["saved"][2].items())
         assert any(not torch.equal(mine["adapter"][k], v) for k, v in mine["saved"][4].items()), "so the check can fail"
         if name == "trainer":  # FULL_STATE_DICT: peft's adapter files, reloaded CPU-first per shard

@@ -31,6 +31,18 @@ def cpu_first_versions() -> bool:
         return _compat.check_trainer_peft_versions()
 
 
+def stock_reloads_a_full_state_dict_adapter() -> bool:
+    """Whether stock accelerate can reload a PEFT adapter under FSDP2 ``FULL_STATE_DICT`` (the Trainer's
+    ``load_best_model_at_end`` and resume): before 1.15 its ``_set_model_state_dict`` hands peft the empty state dict it
+    gives every rank but rank 0, and peft's ``set_peft_model_state_dict`` raises ``KeyError`` on those ranks, so the
+    stock Trainer cannot finish such a run; the plugin's CPU-first reload reads the adapter files on every rank."""
+    import inspect
+
+    from accelerate.utils import fsdp_utils
+
+    return "full_state_dict" in inspect.getsource(fsdp_utils._set_model_state_dict)
+
+
 class _Stop(Exception):
     """Raised at ``on_train_begin`` to end a run once the model is prepared (memory runs need no step)."""
 
@@ -215,7 +227,7 @@ ACCELERATE_LAUNCH_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "
 
 
 def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | None = None,
-           launch: str = "torchrun") -> dict[str, Any]:
+           launch: str = "torchrun", load_best: bool = True) -> dict[str, Any]:
     """Trains LoRA on Llama ``small`` with FSDP2 for 4 steps (eval + checkpoint each step, the best is step 2) and
     loads the best at the end. ``plugin=False``: ``MemSafePlugin(stages=[])``, i.e. the stock Trainer and stock
     accelerate, on the CPU FSDP2 state (the only way the stock Trainer runs FSDP2 on CPU). FSDP2 comes from the
@@ -230,7 +242,8 @@ def _train(out: str, model_dir: str, *, plugin: bool, sft: bool, resume: str | N
 
     if launch == "accelerate":
         os.environ.update(ACCELERATE_LAUNCH_FSDP2)
-    args = _args(out, sft=sft, fsdp2=launch == "torchrun")  # first: it forms the process group from_pretrained needs
+    # first: it forms the process group from_pretrained needs
+    args = _args(out, sft=sft, fsdp2=launch == "torchrun", load_best_model_at_end=load_best)
     if sft:
         from trl import SFTTrainer
 
@@ -301,8 +314,11 @@ def trainer_suite(rank: int, world_size: int, *, big_dir: str, small_dir: str, o
         launch = "accelerate" if sft else "torchrun"  # both launch styles, one each
         res[name] = {}
         for kind in ("stock", "memsafe"):
+            # the stock Trainer of the FULL_STATE_DICT run cannot reload its best adapter before accelerate 1.15: it
+            # trains and saves the same, and the test compares its saved best adapter instead
+            load_best = kind == "memsafe" or sft or stock_reloads_a_full_state_dict_adapter()
             res[name][kind] = timed(f"{name}-{kind}", _train, f"{out}/{name}-{kind}", small_dir, plugin=kind == "memsafe",
-                                    sft=sft, launch=launch)
+                                    sft=sft, launch=launch, load_best=load_best)
         if rank == 0:
             os.rename(f"{out}/{name}-memsafe", f"{out}/{name}-moved")
         dist.barrier()

@@ -20,12 +20,19 @@ def test_fsdp2_prepare_model_reads_only_what_the_view_provides():
     # If accelerate starts reading another accelerator attribute, fsdp2_wrap's view must grow: this test
     # pins the attribute set by inspecting the function's source.
     import inspect
-    import re
+    import io
+    import tokenize
 
     from accelerate.utils import fsdp2_prepare_model
 
+    # the code's tokens only: a comment naming `accelerator.py` (accelerate 1.10) reads no attribute
     src = inspect.getsource(fsdp2_prepare_model)
-    used = set(re.findall(r"accelerator\.(\w+)", src)) | set(re.findall(r"getattr\(accelerator, \"(\w+)\"", src))
+    toks = [t.string for t in tokenize.generate_tokens(io.StringIO(src).readline)
+            if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)]
+    used = {toks[i + 2] for i in range(len(toks) - 2) if toks[i] == "accelerator" and toks[i + 1] == "."}
+    used |= {toks[i + 4].strip("\"'") for i in range(len(toks) - 4)
+             if toks[i : i + 4] == ["getattr", "(", "accelerator", ","]}
+    assert "state" in used, used  # the walk sees the reads
     assert used <= {"state", "torch_device_mesh", "parallelism_config", "mixed_precision", "is_main_process", "device"}, used
 
 
@@ -127,6 +134,11 @@ def test_context_parallel_refusal_is_accelerates_own_and_attaches_nothing():
     sliding = MistralForCausalLM(cfg.__class__(**{**cfg.to_dict(), "sliding_window": 8}))
     mine = _compat.context_parallel_refusal(sliding)
     assert not any(m._forward_pre_hooks for m in sliding.modules()), "asking attached a hook"
-    with pytest.raises(ValueError) as theirs:
+    try:
         _attach_context_parallel_hooks(sliding)
-    assert mine == str(theirs.value) and "(model MistralForCausalLM)" in mine
+        theirs = None  # accelerate before 1.15 checks no layer type: it attaches its hooks, and refuses nothing
+    except ValueError as exc:
+        theirs = str(exc)
+    assert mine == theirs
+    if "does not support attention layers" in inspect.getsource(_attach_context_parallel_hooks):
+        assert mine is not None and "(model MistralForCausalLM)" in mine
