@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.workers_prepare import transformers_loads_every_rank
 from tests.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,13 +75,11 @@ def test_config_then_plugin_launcher_runs_the_fsdp2_example_with_the_configured_
     for stage in ("meta_placement", "shard", "buffer_init", "atomic_checkpoint"):
         assert {(stage, 0), (stage, 1)} <= ran, stage
     # the example loads with transformers on every rank, on the CPU: every rank maps the same unmodified checkpoint,
-    # so the weights stay in place and rank0_distribute has nothing to send (transformers before 5.23 leaves zeros on
-    # rank 1: then rank 0's weights are what every rank gets, and the stage runs)
-    in_place = transformers_loads_every_rank()
+    # so the weights stay in place and rank0_distribute has nothing to send
     for rank in (0, 1):
         placement = next(r for r in records if r["stage"] == "meta_placement" and r["rank"] == rank)
         dist = next(r for r in records if r["stage"] == "rank0_distribute" and r["rank"] == rank)
-        assert placement["details"]["in_place"] is in_place, placement
-        assert dist["status"] == ("skipped" if in_place else "ran"), (placement, dist)
+        assert placement["details"]["in_place"] is True, placement
+        assert dist["status"] == "skipped", (placement, dist)
     assert run["differs_from_single_process"] == [[], []], "every rank ends with the checkpoint's weights"
     assert not {r["stage"] for r in records} & {"optimizer_cpu_reload", "peft_cpu_reload", "offloaded_save"}

@@ -17,12 +17,6 @@ def small_llama_dir(tmp_path_factory):
     return save_llama(tmp_path_factory.mktemp("small-llama"), "small")
 
 
-#: the in-place path needs every rank to hold views of the mapped checkpoint, which transformers gives ranks > 0 under
-#: accelerate's FSDP efficient loading from 5.23 on (before: zeros, and rank 0's weights are sent instead)
-every_rank_loads = pytest.mark.skipif(not w.transformers_loads_every_rank(), reason="transformers before 5.23 leaves "
-                                      "zeros on ranks > 0 under FSDP efficient loading: no in-place path to test")
-
-
 def _distribute(res, rank):
     return next(r for r in res["report"]["records"] if r["stage"] == "rank0_distribute" and r["rank"] == rank)
 
@@ -75,7 +69,6 @@ def _record(res, rank, stage):
     return next(r for r in res["report"]["records"] if r["stage"] == stage and r["rank"] == rank)
 
 
-@every_rank_loads
 @pytest.mark.parametrize("drop", [False, True], ids=["default", "drop_file_pages"])
 def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_checkpoint(small_llama_dir, drop):
     # transformers' zero-copy load on every rank: every rank's bytes are rank 0's, so fully_shard keeps each
@@ -107,7 +100,6 @@ def test_auto_keeps_weights_in_place_when_every_rank_maps_the_same_unmodified_ch
     assert results[0]["loss"] == results[1]["loss"] == results[0]["single_process_loss"]
 
 
-@every_rank_loads
 @pytest.mark.parametrize("edit_on", [0, 1])
 def test_an_edit_on_any_rank_stops_the_in_place_path_and_rank0s_model_wins(small_llama_dir, edit_on):
     edited = "model.layers.0.mlp.up_proj.weight"
@@ -126,7 +118,6 @@ def test_an_edit_on_any_rank_stops_the_in_place_path_and_rank0s_model_wins(small
     assert results[0]["loss"] == results[1]["loss"]
 
 
-@every_rank_loads
 @pytest.mark.parametrize("swap_on", [0, 1])
 def test_weights_swapped_on_any_rank_stop_the_in_place_path_and_rank0s_model_wins(small_llama_dir, swap_on):
     # both weights are still unmodified views of the file, each under the other's name: the claim proves where each
@@ -158,7 +149,6 @@ def test_mixed_precision_upcast_keeps_the_meta_path(tmp_path):
         assert {p["local"].dtype for p in res["params"].values()} == {torch.float32}
 
 
-@every_rank_loads
 def test_a_rank_that_maps_another_checkpoint_stops_the_in_place_path(small_llama_dir):
     # rank 1 sees files with another identity (a node's own copy): its bytes are not proved to be rank 0's
     results = run_on_ranks(w.prepare_llama, 2, init_process_group=False, timeout=170, model_dir=str(small_llama_dir),

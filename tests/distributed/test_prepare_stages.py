@@ -62,8 +62,8 @@ def test_prepare_matches_unsharded_reference(tiny_llama_dir, loader, source):
         assert abs(res["loss"] - ref_loss) <= 1e-6, f"rank {rank}: loss {res['loss']} vs reference {ref_loss}"
         assert res["opt_ok"], "optimizer must hold the sharded parameters"
         status = _stage_status(res, rank)
-        # every rank maps the same unmodified checkpoint (transformers before 5.23 leaves zeros on rank 1: no)
-        in_place = loader == "hf" and source == "auto" and w.transformers_loads_every_rank()
+        # every rank maps the same unmodified checkpoint
+        in_place = loader == "hf" and source == "auto"
         for stage in ("meta_placement", "shard", "rank0_distribute", "buffer_init"):
             want = "skipped" if in_place and stage == "rank0_distribute" else "ran"
             assert status[stage] == want, (stage, status)

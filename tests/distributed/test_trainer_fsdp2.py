@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("trl")
 
+from tests import releases
 from tests.distributed import workers_trainer as w
 from tests.spawn import run_on_ranks
 
@@ -55,8 +56,8 @@ def test_training_checkpoints_best_model_and_resume_match_the_stock_trainer(suit
         # load_best_model_at_end: the best checkpoint (step 2, not the last), reloaded CPU-first, as stock
         assert mine["best"] == str(out / f"{name}-memsafe" / "checkpoint-2") and stock["best"].endswith("checkpoint-2")
         # before accelerate 1.15 the stock Trainer cannot reload a FULL_STATE_DICT adapter (it raises on rank 1:
-        # `workers_trainer.stock_reloads_a_full_state_dict_adapter`): its saved best adapter is the reference there
-        reference = stock["adapter"] if name == "sft" or w.stock_reloads_a_full_state_dict_adapter() else stock["saved"][2]
+        # `releases.stock_reloads_a_full_state_dict_adapter`): its saved best adapter is the reference there
+        reference = stock["adapter"] if name == "sft" or releases.stock_reloads_a_full_state_dict_adapter() else stock["saved"][2]
         assert mine["adapter"].keys() == reference.keys()
         assert all(torch.equal(mine["adapter"][k], v) for k, v in reference.items())
         assert all(torch.equal(mine["adapter"][k], v) for k, v in mine["saved"][2].items())

@@ -14,20 +14,10 @@ from torch import nn
 _FSDP_EFFICIENT_LOADING_ENV = ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")
 
 
-def transformers_loads_every_rank() -> bool:
-    """Whether transformers' ``from_pretrained`` gives every rank the checkpoint's weights under accelerate's FSDP
-    efficient-loading variables (5.23 on). Before, ranks > 0 get zeros for ``prepare`` to fill: no rank but 0 holds
-    views of the mapped file, so the plugin cannot keep the weights in place and sends rank 0's instead."""
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) >= Version("5.23")
-
-
 def single_process_load(auto, model_dir: str, **kwargs):
-    """``auto.from_pretrained(model_dir)`` as one process loads it: the file's weights on every rank, whatever
-    transformers does under accelerate's FSDP efficient-loading variables (before 5.23 it leaves zeros on ranks > 0),
-    so that a rank's result is compared with the checkpoint, not with what transformers left it."""
+    """``auto.from_pretrained(model_dir)`` as one process loads it, outside accelerate's FSDP efficient-loading
+    variables: the file's weights on every rank, so that a rank's result is compared with the checkpoint, not with
+    whatever transformers does under those variables."""
     saved = {k: os.environ.pop(k) for k in _FSDP_EFFICIENT_LOADING_ENV if k in os.environ}
     try:
         return auto.from_pretrained(model_dir, **kwargs)

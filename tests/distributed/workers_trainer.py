@@ -14,6 +14,8 @@ import os
 import warnings
 from typing import Any
 
+from tests import releases
+
 #: The scripted eval metric (lower is better): the best checkpoint is step 2, not the last one.
 SCRIPT = [3.0, 1.0, 2.0, 4.0]
 VOCAB = 4096
@@ -29,18 +31,6 @@ def cpu_first_versions() -> bool:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _compat.check_trainer_peft_versions()
-
-
-def stock_reloads_a_full_state_dict_adapter() -> bool:
-    """Whether stock accelerate can reload a PEFT adapter under FSDP2 ``FULL_STATE_DICT`` (the Trainer's
-    ``load_best_model_at_end`` and resume): before 1.15 its ``_set_model_state_dict`` hands peft the empty state dict it
-    gives every rank but rank 0, and peft's ``set_peft_model_state_dict`` raises ``KeyError`` on those ranks, so the
-    stock Trainer cannot finish such a run; the plugin's CPU-first reload reads the adapter files on every rank."""
-    import inspect
-
-    from accelerate.utils import fsdp_utils
-
-    return "full_state_dict" in inspect.getsource(fsdp_utils._set_model_state_dict)
 
 
 class _Stop(Exception):
@@ -316,7 +306,7 @@ def trainer_suite(rank: int, world_size: int, *, big_dir: str, small_dir: str, o
         for kind in ("stock", "memsafe"):
             # the stock Trainer of the FULL_STATE_DICT run cannot reload its best adapter before accelerate 1.15: it
             # trains and saves the same, and the test compares its saved best adapter instead
-            load_best = kind == "memsafe" or sft or stock_reloads_a_full_state_dict_adapter()
+            load_best = kind == "memsafe" or sft or releases.stock_reloads_a_full_state_dict_adapter()
             res[name][kind] = timed(f"{name}-{kind}", _train, f"{out}/{name}-{kind}", small_dir, plugin=kind == "memsafe",
                                     sft=sft, launch=launch, load_best=load_best)
         if rank == 0:
