@@ -496,20 +496,43 @@ def local_numel(tensor: torch.Tensor) -> int:
         return to_local().numel()
 
 
-#: torch versions whose ``torch.load(map_location="meta")`` records ``_checkpoint_offset`` on storages.
-TESTED_TORCH_CHECKPOINT_OFFSET = Version("2.6.0")
+#: The first torch release whose process-group stores have ``clone()`` (a second connection to the same store): the
+#: plugin's agreements wait on a clone while the failure board uses the store itself. ``pyproject.toml`` requires it.
+TORCH_STORE_CLONE = Version("2.8.0")
+
+
+def store_clone(store: Any) -> Any:
+    """``store.clone()``: a new client of the same store, for a thread that blocks in ``wait``.
+
+    Raises:
+        ConfigError: If the installed torch's store has no ``clone`` (torch before :data:`TORCH_STORE_CLONE`, which
+            the package requires: such a torch came in without pip's dependency check).
+    """
+    clone = getattr(store, "clone", None)
+    if clone is None:
+        from .errors import ConfigError
+
+        raise ConfigError(
+            f"torch {torch.__version__}: the process group's store ({type(store).__name__}) has no `clone()`, which "
+            f"came with torch {TORCH_STORE_CLONE}; accelerate_memsafe requires torch>={TORCH_STORE_CLONE} for its "
+            "agreements between ranks. Upgrade torch, or run without the plugin."
+        )
+    return clone()
+
+
+#: The first torch release seen to record ``_checkpoint_offset`` on the storages of ``torch.load(map_location="meta")``
+#: (2.6, 2.8 and 2.10 record none; 2.11 and 2.13 do). Where none is recorded the optimizer reload maps the file instead.
+TORCH_META_CHECKPOINT_OFFSET = Version("2.11.0")
 
 
 def checkpoint_file_offset(tensor: torch.Tensor) -> int | None:
     """Byte offset in its ``torch.save`` file of the storage of a tensor loaded with ``map_location="meta"``.
 
     ``torch.load`` records it as the private attribute ``_checkpoint_offset`` of each meta storage (torch
-    >= 2.6); the optimizer reload uses it to read one tensor at a time straight into its destination
-    instead of materialising the whole file. ``None`` where torch does not provide it (the caller then
-    falls back to an mmap'ed ``torch.load``).
+    >= :data:`TORCH_META_CHECKPOINT_OFFSET`); the optimizer reload uses it to read one tensor at a time straight
+    into its destination instead of materialising the whole file. ``None`` where torch does not record it: the
+    caller then maps the file (``torch.load(mmap=True)``) and copies each tensor from the mapping.
     """
-    if Version(torch.__version__.split("+")[0]) < TESTED_TORCH_CHECKPOINT_OFFSET:
-        return None
     offset = getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
     return int(offset) if isinstance(offset, int) else None
 

@@ -21,7 +21,8 @@ class PipelineError(MemSafeError, ValueError):
 
 
 class ConfigError(MemSafeError, ValueError):
-    """A plugin option or an ``ACCELERATE_MEMSAFE_*`` environment variable has a bad value."""
+    """A plugin option or an ``ACCELERATE_MEMSAFE_*`` environment variable has a bad value, or the installed torch is
+    below what the package needs (a ``pip install --no-deps`` can leave one)."""
 
 
 class StageError(MemSafeError):

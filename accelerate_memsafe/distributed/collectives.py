@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..errors import CollectiveTimeoutError, PeerStageError, StageError
+from ..errors import CollectiveTimeoutError, ConfigError, PeerStageError, StageError
 
 # Per-process count of Collectives objects created per stage outside a hook call: every rank creates them in
 # the same order, so the count is a key prefix that all ranks agree on without communicating.
@@ -258,7 +258,7 @@ class HookScope:
                                       abandoned=False)
             self._drop_exchanged()
             return key
-        except (PeerStageError, CollectiveTimeoutError):
+        except (PeerStageError, CollectiveTimeoutError, ConfigError):
             raise
         except Exception as exc:
             raise CollectiveTimeoutError(
@@ -313,7 +313,7 @@ class _StoreWaiter:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._clone = store.clone()
+        self._clone = _compat.store_clone(store)
         self._requests: queue.SimpleQueue[_KeyWait] = queue.SimpleQueue()
         self.busy = False
         self.broken = False
@@ -361,8 +361,12 @@ def ready_to_agree() -> None:
         return
     store = _compat.default_store()
     if store is not None:
-        with contextlib.suppress(Exception):  # the first agreement makes its own
+        try:
             _waiter(store)
+        except ConfigError:  # a torch without `Store.clone`: said here, when the accelerator is built
+            raise
+        except Exception:  # the first agreement makes its own
+            pass
 
 
 def _wait_for_keys(store: Any, keys: list[str], timeout_s: float) -> _KeyWait:

@@ -6,7 +6,12 @@ Two formats, both as accelerate writes them:
   It is opened with ``torch.load(map_location="meta", weights_only=True)``, which reads only the pickled
   structure (never executing pickled code) and records where each tensor's bytes lie in the file; each
   tensor is then read with one ``readinto`` into its destination (for an FSDP2 parameter only the rows of
-  this rank's shard are read). No second copy of the state is ever built.
+  this rank's shard are read). No second copy of the state is ever built. A tensor saved with other strides
+  than a contiguous one's (a ``channels_last`` convolution's state) is read as the span of the file its
+  elements lie in, then copied through its strides; its new destination has its strides, as torch's own load
+  leaves it. A torch that records no offsets on ``meta`` storages (``_compat.checkpoint_file_offset``) gets
+  the file mapped instead (``torch.load(mmap=True, weights_only=True)``): each tensor is copied from the
+  mapping, whose pages are the file's, not the process's own memory.
 - a ``torch.distributed.checkpoint`` folder (``optimizer_<i>/``: FSDP2 with ``SHARDED_STATE_DICT``), read
   with ``dcp.load`` into templates that *are* the destination tensors (DCP reads in place); pickled
   non-tensor entries (hyper-parameters) are read with ``weights_only=True``.
@@ -215,7 +220,7 @@ def _hyper_tensors(value: Any) -> list[tuple[int | None, torch.Tensor]]:
 
 
 def _check_in_file(path: Path, size: int, what: str, saved: torch.Tensor) -> None:
-    offset = _compat.checkpoint_file_offset(saved)
+    offset = _compat.checkpoint_file_offset(saved)  # None for a mapped load: torch checked its records
     if offset is not None:
         end = offset + saved.untyped_storage().nbytes()
         if end > size:
@@ -255,11 +260,32 @@ def _check_shape(source: Path, fqn: str, key: str, saved_shape: tuple[int, ...],
         )
 
 
+def _tensors(obj: Any) -> Any:
+    """The tensors in a loaded optimizer state dict (its dicts, lists and tuples), depth first."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
 def _load_structure(path: Path) -> Any:
+    """The saved state dict with its tensors on ``meta`` (their file offsets recorded), or, where torch records no
+    offsets, with its tensors on the file's mapping (nothing read until a tensor is copied)."""
+    structure = _torch_load(path, map_location="meta")
+    if any(t.untyped_storage().nbytes() and _compat.checkpoint_file_offset(t) is None for t in _tensors(structure)):
+        structure = _torch_load(path, map_location="cpu", mmap=True)
+    return structure
+
+
+def _torch_load(path: Path, **kwargs: Any) -> Any:
     import pickle
 
     try:
-        return torch.load(path, map_location="meta", weights_only=True)
+        return torch.load(path, weights_only=True, **kwargs)
     except pickle.UnpicklingError as exc:
         # weights_only refused a global: the file asks to run code (or holds objects we never load)
         detail = message_line(exc, prefer=("GLOBAL", "global"))
@@ -428,28 +454,36 @@ def _new_tensor(item: _Item, pin: bool) -> torch.Tensor:
         p = item.param
         local = torch.empty(_local(p).shape, dtype=item.dtype, device=item.device, pin_memory=pin and item.device.type == "cpu")
         return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return torch.empty(shape, dtype=item.dtype, device=item.device, pin_memory=pin and item.device.type == "cpu" and bool(shape))
+    pin = pin and item.device.type == "cpu" and bool(shape)
+    if isinstance(item.saved, torch.Tensor):  # a torch file's: its strides where they are dense (a channels_last
+        # state stays channels_last, as torch's own load keeps it); a DCP entry's metadata has none
+        return torch.empty_like(item.saved, dtype=item.dtype, device=item.device, pin_memory=pin)
+    return torch.empty(shape, dtype=item.dtype, device=item.device, pin_memory=pin)
 
 
 class _FileReader:
-    """Reads tensors of a ``torch.save`` file by byte offset (or, without offsets, from an mmap'ed load)."""
+    """Reads tensors of a ``torch.save`` file by byte offset (or, loaded without offsets, from the file's mapping)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.f = open(path, "rb")  # noqa: SIM115 - held open across reads, closed by close()
-        self.mmapped: Any = None
 
     def close(self) -> None:
         self.f.close()
-        self.mmapped = None
 
     def read_into(self, saved: torch.Tensor, dst: torch.Tensor, block: Block | None) -> int:
         """Reads ``saved`` (this rank's block of it, if given) into ``dst``; returns bytes read. A block
         that is not whole rows (TP) is read as its whole rows, then sliced."""
         rows, cols = block if block is not None else (None, None)
+        if saved.device.type != "meta":  # loaded from the file's mapping (:func:`_load_structure`)
+            return _copy_block(saved, dst, rows, cols)
         offset = _compat.checkpoint_file_offset(saved)
-        if offset is None or not saved.is_contiguous():
-            return self._read_mmapped(saved, dst, rows)
+        if offset is None:
+            raise CheckpointError(f"optimizer file {self.path}: a tensor of {tuple(saved.shape)} has no recorded offset "
+                                  "in the file. Nothing was loaded; disable the `optimizer_cpu_reload` stage to load "
+                                  "it with accelerate's own reader, and report the torch version.")
+        if not saved.is_contiguous():
+            return self._read_strided(saved, dst, rows, cols, offset)
         itemsize = saved.dtype.itemsize
         start = saved.storage_offset() + (rows[0] * saved.stride(0) if rows else 0)
         numel = dst.numel() if cols is None else (rows[1] - rows[0]) * saved[0].numel()
@@ -466,11 +500,31 @@ class _FileReader:
             dst.copy_(buf.view(dst.shape))
         return n
 
-    def _read_mmapped(self, saved, dst, rows):  # pragma: no cover - torch without storage offsets
-        raise CheckpointError(
-            f"{self.path}: this torch version does not record tensor offsets in `torch.load(map_location='meta')`; "
-            "use torch >= 2.6 or disable the `optimizer_cpu_reload` stage."
-        )
+    def _read_strided(self, saved: torch.Tensor, dst: torch.Tensor, rows: Any, cols: Any, offset: int) -> int:
+        """Reads a tensor saved with other strides than a contiguous one's: the span of its storage that its
+        elements lie in (its whole span: a rank's rows of it are not one run of bytes), then copies its block
+        through its strides. Memory: one tensor's span, as the copy of a block that is not whole rows."""
+        itemsize = saved.dtype.itemsize
+        span = 1 + sum((n - 1) * s for n, s in zip(saved.shape, saved.stride())) if saved.numel() else 0
+        buf = torch.empty(span, dtype=saved.dtype)
+        self.f.seek(offset + saved.storage_offset() * itemsize)
+        n = self.f.readinto(buf.view(torch.uint8).numpy())
+        if n != span * itemsize:
+            raise CheckpointError(f"optimizer file {self.path} is truncated: short read ({n} of {span * itemsize} bytes).")
+        _copy_block(buf.as_strided(saved.shape, saved.stride()), dst, rows, cols)
+        return n
+
+
+def _copy_block(src: torch.Tensor, dst: torch.Tensor, rows: Any, cols: Any) -> int:
+    """Copies ``src`` (its ``rows`` and, of those, its ``cols`` slices, where given) into ``dst``; returns the bytes of
+    the rows it read."""
+    if rows is not None:
+        src = src[rows[0]:rows[1]]
+    nbytes = src.numel() * src.element_size()
+    if cols is not None:
+        src = src[(slice(None), *cols)]
+    dst.copy_(src.reshape(dst.shape))
+    return nbytes
 
 
 def execute_optimizer_load(plan: OptimizerLoadPlan, *, progress: bool = False, rank: int = 0) -> dict[str, int]:

@@ -143,3 +143,45 @@ def test_context_parallel_refusal_is_accelerates_own_and_attaches_nothing():
     assert mine == theirs
     if releases.accelerate_refuses_context_parallel_layer_types():
         assert mine is not None and "(model MistralForCausalLM)" in mine
+
+
+def test_checkpoint_file_offset_is_where_torch_save_wrote_the_tensors_bytes(tmp_path):
+    """`_compat.checkpoint_file_offset` reads torch's private `_checkpoint_offset` of a `meta` load's storages: from
+    `TORCH_META_CHECKPOINT_OFFSET` on it is the position of the storage's bytes in the file (the optimizer reload reads
+    there); before, torch records none and the function says so (the reload maps the file instead)."""
+    import torch
+
+    saved = {"a": torch.arange(7, dtype=torch.float32), "b": torch.arange(12, dtype=torch.int64).view(3, 4)[:, 1:],
+             "c": torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)}
+    path = tmp_path / "state.bin"
+    torch.save(saved, path)
+    meta = torch.load(path, map_location="meta", weights_only=True)
+    raw = path.read_bytes()
+    offsets = {k: _compat.checkpoint_file_offset(t) for k, t in meta.items()}
+    if _compat.Version(torch.__version__.split("+")[0]) < _compat.TORCH_META_CHECKPOINT_OFFSET:
+        assert set(offsets.values()) == {None}, offsets
+        return
+    for k, t in saved.items():
+        storage = t.untyped_storage()
+        assert offsets[k] is not None, k
+        assert raw[offsets[k]:offsets[k] + storage.nbytes()] == bytes(storage), k
+
+
+def test_a_store_without_clone_is_refused_naming_the_torch_it_needs():
+    """A torch below the package's floor (installed without pip's dependency check) has stores without `clone()`:
+    the agreements' waiter says so, instead of taking the missing method for an unreachable store."""
+    import torch.distributed as dist
+
+    from accelerate_memsafe.distributed import collectives
+    from accelerate_memsafe.errors import ConfigError
+
+    class OldStore:  # torch 2.7's stores: no clone
+        def wait(self, keys, timeout):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ConfigError, match=r"has no `clone\(\)`.*requires torch>=2\.8\.0"):
+        collectives._StoreWaiter(OldStore())
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
+    clone = _compat.store_clone(store)  # torch >= 2.8: a second client of the same store
+    store.set("k", b"v")
+    assert clone is not store and bytes(clone.get("k")) == b"v"

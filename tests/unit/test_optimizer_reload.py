@@ -89,6 +89,15 @@ def _allowed_storages(model, opt):
     return ptrs
 
 
+def _mapped(checkpoint) -> int:
+    """What the live-tensor figure counts of the mapped optimizer file where torch records no offsets on `meta`
+    storages (the file's pages, not the process's memory: `test_a_torch_without_meta_offsets_...`), else 0."""
+    from accelerate_memsafe import _compat
+
+    old = _compat.Version(torch.__version__.split("+")[0]) < _compat.TORCH_META_CHECKPOINT_OFFSET
+    return checkpoint["state_bytes"] if old else 0
+
+
 @pytest.mark.parametrize("offload", [False, True])
 def test_reload_into_fresh_optimizer_is_bitwise_bounded_and_leaves_nothing_alive(checkpoint, offload):
     acc, model, opt = _make(MemSafePlugin(optimizer_offload=offload), seed=1)
@@ -97,7 +106,7 @@ def test_reload_into_fresh_optimizer_is_bitwise_bounded_and_leaves_nothing_alive
     for k, v in _state(opt.optimizer).items():
         assert torch.equal(v, checkpoint["state"][k]), k
         assert v.device.type == "cpu"
-    bound = checkpoint["state_bytes"] + checkpoint["largest"] + 0.05 * checkpoint["state_bytes"]
+    bound = checkpoint["state_bytes"] + checkpoint["largest"] + 0.05 * checkpoint["state_bytes"] + _mapped(checkpoint)
     assert tracker.peak_bytes <= bound, (tracker.peak_bytes, bound)
     allowed = _allowed_storages(model, opt)
     leftovers = [tuple(t.shape) for t in alive if t.untyped_storage().data_ptr() not in allowed]
@@ -122,10 +131,10 @@ def test_reload_into_optimizer_with_state_reads_in_place(checkpoint):
     # `load_state` also reads the model (accelerate's part, at most the model's bytes).
     slack = checkpoint["largest"] + 0.05 * checkpoint["state_bytes"]
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert tracker.peak_bytes <= slack + model_bytes, (tracker.peak_bytes, slack + model_bytes)
+    assert tracker.peak_bytes <= slack + model_bytes + _mapped(checkpoint), (tracker.peak_bytes, slack + model_bytes)
     record = acc.memsafe_plugin.report.find(hook="load_state", stage="optimizer_cpu_reload")[-1]
     assert record.details["new_bytes"] == 0 and record.details["in_place_bytes"] == checkpoint["state_bytes"]
-    assert record.live_tensor_peak_bytes <= checkpoint["largest"] + 0.05 * checkpoint["state_bytes"]
+    assert record.live_tensor_peak_bytes <= checkpoint["largest"] + 0.05 * checkpoint["state_bytes"] + _mapped(checkpoint)
     assert not [t for t in alive if t.untyped_storage().data_ptr() not in _allowed_storages(model, opt)]
     assert torch.equal(_step(acc, model, opt, 2), checkpoint["next_loss"])
 
@@ -244,3 +253,120 @@ def test_zipfile_is_what_torch_saves():
     torch.save({"a": torch.arange(10.0)}, buf)
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
         assert all(i.compress_type == zipfile.ZIP_STORED for i in zf.infolist())
+
+
+def _file_mapped(tensors, path) -> bool:
+    """Whether every tensor's bytes lie in a mapping of the file ``path`` (``/proc/self/maps``): none was copied."""
+    spans = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and os.path.realpath(fields[5]) == os.path.realpath(path):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((lo, hi))
+    return all(any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in spans)
+               for t in tensors if t.numel())
+
+
+def _no_offsets(monkeypatch):
+    """A torch that records no file offsets on `meta` storages (2.10 and before): the reload maps the file. Returns
+    the `torch.load` calls made, each with whether what a mapped load returned lay in the file's mapping."""
+    from accelerate_memsafe import _compat
+    from accelerate_memsafe.io.optimizer_state import _tensors
+
+    loads = []
+    real_load = torch.load
+
+    def load(f, *args, **kwargs):
+        out = real_load(f, *args, **kwargs)
+        call = {"file": os.path.basename(str(f)), **{k: str(v) for k, v in kwargs.items()}}
+        if kwargs.get("mmap"):
+            call["in_mapping"] = _file_mapped(list(_tensors(out)), f)
+        loads.append(call)
+        return out
+
+    monkeypatch.setattr(_compat, "checkpoint_file_offset", lambda tensor: None)
+    monkeypatch.setattr(torch, "load", load)
+    return loads
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["fresh", "in_place"])
+def test_a_torch_without_meta_offsets_reloads_from_the_files_mapping_bitwise_and_bounded(checkpoint, monkeypatch, held):
+    acc, model, opt = _make(MemSafePlugin(track_live_tensors=True), seed=1)
+    if held:
+        _step(acc, model, opt, 7)
+    before = {k: v.data_ptr() for k, v in _state_ptrs(opt.optimizer).items()}
+    loads = _no_offsets(monkeypatch)
+    tracker, alive = _load_tracked(acc, checkpoint["path"])
+    # the structure on `meta` first, then, as it has no offsets, the file mapped: never a whole load into memory
+    assert [(k["map_location"], k.get("mmap"), k.get("in_mapping")) for k in loads if k["file"] == "optimizer.bin"] == \
+        [("meta", None, None), ("cpu", "True", True)], loads
+    state = _state(opt.optimizer)
+    assert state.keys() == checkpoint["state"].keys() and all(torch.equal(state[k], checkpoint["state"][k]) for k in state)
+    if held:
+        assert {k: v.data_ptr() for k, v in _state_ptrs(opt.optimizer).items()} == before, "not read in place"
+    record = acc.memsafe_plugin.report.find(hook="load_state", stage="optimizer_cpu_reload")[-1]
+    assert record.details["bytes_read"] >= checkpoint["state_bytes"]
+    assert record.details["new_bytes" if not held else "in_place_bytes"] == checkpoint["state_bytes"]
+    # the live-tensor figure counts the mapped file's tensors too (the file's pages, not the process's own memory):
+    # besides them, only the new state of a fresh optimizer and the slack
+    slack = checkpoint["largest"] + 0.05 * checkpoint["state_bytes"]
+    bound = checkpoint["state_bytes"] + (0 if held else checkpoint["state_bytes"]) + slack
+    assert record.live_tensor_peak_bytes <= bound, (record.live_tensor_peak_bytes, bound)
+    assert not [t for t in alive if t.untyped_storage().data_ptr() not in _allowed_storages(model, opt)]
+    assert torch.equal(_step(acc, model, opt, 2), checkpoint["next_loss"]), "resumed step differs"
+
+
+def _conv(seed, plugin):
+    _reset()
+    acc = Accelerator(plugins=[plugin])
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    model = model.to(memory_format=torch.channels_last)  # the convolutions' weights, and so Adam's state, are NHWC
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _conv_step(acc, model, opt, i):
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(i)).to(memory_format=torch.channels_last)
+    loss = model(x).square().mean()
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return loss.detach().clone()
+
+
+@pytest.mark.parametrize("offsets", [True, False], ids=["offsets", "mapped"])
+@pytest.mark.parametrize("held", [False, True], ids=["fresh", "in_place"])
+def test_a_channels_last_optimizer_state_reloads_as_stock_loads_it(tmp_path, monkeypatch, offsets, held):
+    """State saved with other strides than a contiguous tensor's (a channels_last convolution's Adam moments):
+    stock accelerate loads it; the plugin refused it (it read every tensor as one contiguous run of bytes).
+    Now both paths end with the same bytes and the same strides, and the next step is the same."""
+    acc, model, opt = _conv(0, MemSafePlugin())
+    for i in range(2):
+        _conv_step(acc, model, opt, i)
+    assert any(not v.is_contiguous() for st in opt.optimizer.state.values() for v in st.values() if v.dim())
+    acc.save_state(str(tmp_path / "ckpt"))
+    acc.wait_for_everyone()
+    got = {}
+    for path, plugin in (("stock", MemSafePlugin(stages=[])), ("plugin", MemSafePlugin())):
+        acc, model, opt = _conv(1, plugin)
+        if held:
+            _conv_step(acc, model, opt, 7)
+        with monkeypatch.context() as m:
+            if not offsets and path == "plugin":
+                _no_offsets(m)
+            acc.load_state(str(tmp_path / "ckpt"))
+        state = _state_ptrs(opt.optimizer)
+        got[path] = ({k: (v.detach().clone(), v.stride()) for k, v in state.items() if isinstance(v, torch.Tensor)},
+                     _conv_step(acc, model, opt, 2))
+        if path == "plugin":
+            record = acc.memsafe_plugin.report.find(hook="load_state", stage="optimizer_cpu_reload")[-1]
+            assert record.status == "ran", record
+    (stock, stock_loss), (mine, loss) = got["stock"], got["plugin"]
+    assert stock.keys() == mine.keys()
+    for k in stock:
+        assert torch.equal(stock[k][0], mine[k][0]) and stock[k][0].dtype == mine[k][0].dtype, k
+        assert stock[k][1] == mine[k][1], (k, stock[k][1], mine[k][1])
+    assert torch.equal(loss, stock_loss)
