@@ -1,7 +1,8 @@
-"""What the installed accelerate release does, where a test's expectation depends on it: one named probe per behaviour.
+"""What the installed releases do, where a test's expectation depends on it: one named probe per behaviour.
 
 The package supports accelerate 1.14 and 1.15 (``pyproject.toml``, ``_compat.TESTED_ACCELERATE``), and stock
-accelerate differs between them in what the differential tests compare against. A test asks the probe named for the
+accelerate differs between them in what the differential tests compare against; torch from 2.8 on, and before 2.11
+torch records no file offsets for the optimizer reload (:func:`torch_records_meta_offsets`). A test asks the probe named for the
 behaviour, never a version of its own, so that one place says how each behaviour is detected: by what the installed
 source does where that is one call to read (the behaviour, not a number a backport could move), by the release
 otherwise. ``tests/other_accelerate.sh 1.14.0`` runs the suite against the other release, and
@@ -43,3 +44,22 @@ def accelerate_groups_a_tied_head_with_its_embedding() -> bool:
     from packaging.version import Version
 
     return Version(accelerate.__version__) >= Version("1.15")
+
+
+def torch_records_meta_offsets() -> bool:
+    """Whether the installed torch records where each storage lies in a ``torch.save`` file when it loads it on
+    ``meta`` (2.11 on): the optimizer reload reads each tensor there. Without, it maps the file and copies from the
+    mapping, and the live-tensor figure counts the mapped file's tensors too (the file's pages, not the process's
+    own memory): the memory tests add them to their bounds there."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from accelerate_memsafe import _compat
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.bin"
+        torch.save({"t": torch.zeros(4)}, path)
+        loaded = torch.load(path, map_location="meta", weights_only=True)
+    return _compat.checkpoint_file_offset(loaded["t"]) is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests import releases
 from tests.distributed import workers_resume
 from tests.spawn import run_on_ranks
 
@@ -20,6 +21,12 @@ CASES = {
 
 
 def _check(ref, res, *, sdt, offload, pre_step):
+    # where torch records no offsets on meta storages, a full optimizer file is mapped and its tensors are live
+    # tensors too (the file's pages): the whole state, every rank's part of it
+    mapped = 0
+    if sdt == "FULL_STATE_DICT" and not releases.torch_records_meta_offsets():
+        mapped = sum(next(r for r in res[k]["records"] if r["stage"] == "optimizer_cpu_reload")["details"]["state_bytes"]
+                     for k in range(2))
     for rank in range(2):
         for i, (a, b) in enumerate(zip(ref[rank]["batches"], res[rank]["batches"])):
             assert torch.equal(a, b), f"{sdt} rank {rank}: the batch of step {3 + i + 1} differs after the resume"
@@ -39,9 +46,9 @@ def _check(ref, res, *, sdt, offload, pre_step):
         if pre_step:  # the existing state is alive throughout: only the slack may be allocated
             assert res[rank]["in_place"], "FSDP2 state must be read into the existing tensors"
             assert d["new_bytes"] == 0 and d["in_place_bytes"] == d["state_bytes"]
-            assert record["live"] <= slack, (record["live"], slack)
+            assert record["live"] <= slack + mapped, (record["live"], slack + mapped)
         else:
-            assert record["live"] <= d["state_bytes"] + slack, (record["live"], d["state_bytes"] + slack)
+            assert record["live"] <= d["state_bytes"] + slack + mapped, (record["live"], d["state_bytes"] + slack + mapped)
         loader = next(r for r in res[rank]["records"] if r["stage"] == "dataloader_resume" and r["hook"] == "load_state")
         assert loader["status"] == "ran" and loader["details"]["dataloaders"] == 1
 

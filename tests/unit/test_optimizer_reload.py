@@ -15,6 +15,7 @@ from accelerate_memsafe import Accelerator, CheckpointError, MemSafePlugin
 from accelerate_memsafe.distributed.optimizer_offload import OptimizerOffload, state_bytes
 from accelerate_memsafe.memory.tracker import LiveTensorTracker
 from accelerate_memsafe.models import build_llama
+from tests import releases
 
 
 def _reset():
@@ -92,10 +93,7 @@ def _allowed_storages(model, opt):
 def _mapped(checkpoint) -> int:
     """What the live-tensor figure counts of the mapped optimizer file where torch records no offsets on `meta`
     storages (the file's pages, not the process's memory: `test_a_torch_without_meta_offsets_...`), else 0."""
-    from accelerate_memsafe import _compat
-
-    old = _compat.Version(torch.__version__.split("+")[0]) < _compat.TORCH_META_CHECKPOINT_OFFSET
-    return checkpoint["state_bytes"] if old else 0
+    return 0 if releases.torch_records_meta_offsets() else checkpoint["state_bytes"]
 
 
 @pytest.mark.parametrize("offload", [False, True])
