@@ -44,6 +44,7 @@ import torch
 
 from .. import _compat
 from ..memory.progress import byte_progress
+from ..memory.tracker import tensors_in
 from ..errors import CheckpointError, message_line
 from .blocks import block_cols, local_block
 
@@ -260,23 +261,11 @@ def _check_shape(source: Path, fqn: str, key: str, saved_shape: tuple[int, ...],
         )
 
 
-def _tensors(obj: Any) -> Any:
-    """The tensors in a loaded optimizer state dict (its dicts, lists and tuples), depth first."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
-
-
 def _load_structure(path: Path) -> Any:
     """The saved state dict with its tensors on ``meta`` (their file offsets recorded), or, where torch records no
     offsets, with its tensors on the file's mapping (nothing read until a tensor is copied)."""
     structure = _torch_load(path, map_location="meta")
-    if any(t.untyped_storage().nbytes() and _compat.checkpoint_file_offset(t) is None for t in _tensors(structure)):
+    if any(t.untyped_storage().nbytes() and _compat.checkpoint_file_offset(t) is None for t in tensors_in(structure)):
         structure = _torch_load(path, map_location="cpu", mmap=True)
     return structure
 
@@ -494,10 +483,8 @@ class _FileReader:
         n = self.f.readinto(view)
         if n != numel * itemsize:
             raise CheckpointError(f"optimizer file {self.path} is truncated: short read ({n} of {numel * itemsize} bytes).")
-        if cols is not None:
-            dst.copy_(buf.view(rows[1] - rows[0], *saved.shape[1:])[(slice(None), *cols)])
-        elif not direct:
-            dst.copy_(buf.view(dst.shape))
+        if not direct:
+            _copy_block(buf if cols is None else buf.view(rows[1] - rows[0], *saved.shape[1:]), dst, None, cols)
         return n
 
     def _read_strided(self, saved: torch.Tensor, dst: torch.Tensor, rows: Any, cols: Any, offset: int) -> int:

@@ -91,18 +91,19 @@ class LiveTensorTracker(TorchDispatchMode):
         if getattr(func, "is_view", False):  # a view's output lies in its input's storage: nothing new
             return func(*args, **kwargs)
         # the inputs' storages are read before the call: an in-place op (`set_`) may point an input at a new one
-        inputs = _tensors(args) + _tensors(kwargs) if kwargs else _tensors(args)
+        inputs = tensors_in(args) + tensors_in(kwargs) if kwargs else tensors_in(args)
         known = {found[0] for x in inputs if (found := _storage_key_and_bytes(x))}
         out = func(*args, **kwargs)
-        for o in _tensors(out):
+        for o in tensors_in(out):
             found = _storage_key_and_bytes(o)
             if found is not None and found[0] not in known:
                 self._track(func, o, *found)
         return out
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors of an op's arguments or outputs (one level of tuples/lists/dicts is the common case)."""
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a tree of tuples, lists and dicts: an op's arguments or outputs (one level is the common case),
+    a loaded state dict."""
     if isinstance(tree, torch.Tensor):
         return [tree]
     items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()

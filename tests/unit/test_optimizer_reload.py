@@ -270,7 +270,7 @@ def _no_offsets(monkeypatch):
     """A torch that records no file offsets on `meta` storages (2.10 and before): the reload maps the file. Returns
     the `torch.load` calls made, each with whether what a mapped load returned lay in the file's mapping."""
     from accelerate_memsafe import _compat
-    from accelerate_memsafe.io.optimizer_state import _tensors
+    from accelerate_memsafe.memory.tracker import tensors_in
 
     loads = []
     real_load = torch.load
@@ -279,7 +279,7 @@ def _no_offsets(monkeypatch):
         out = real_load(f, *args, **kwargs)
         call = {"file": os.path.basename(str(f)), **{k: str(v) for k, v in kwargs.items()}}
         if kwargs.get("mmap"):
-            call["in_mapping"] = _file_mapped(list(_tensors(out)), f)
+            call["in_mapping"] = _file_mapped(tensors_in(out), f)
         loads.append(call)
         return out
 
