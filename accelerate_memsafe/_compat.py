@@ -154,13 +154,16 @@ def fsdp2_wrap(
 
     Calls ``accelerate.utils.fsdp2_prepare_model`` with a copy of the plugin whose
     ``cpu_ram_efficient_loading`` is off (our ``rank0_distribute`` stage does the loading) and a minimal
-    view of the accelerator holding only the attributes that function reads.
+    view of the accelerator holding only the attributes that function reads. ``ignored_modules`` given as a
+    pattern is resolved here (:func:`ignored_modules`): accelerate's own resolution moves each matched module to
+    the device, which raises for a module whose weights ``meta_placement`` put on ``meta``.
     """
     from accelerate.utils import fsdp2_prepare_model
 
     check_accelerate_version()
     plugin = copy.copy(fsdp_plugin)
     plugin.cpu_ram_efficient_loading = False
+    plugin.ignored_modules = ignored_modules(plugin.ignored_modules, model, device)
     view = SimpleNamespace(
         state=SimpleNamespace(fsdp_plugin=plugin),
         torch_device_mesh=mesh,
@@ -170,6 +173,34 @@ def fsdp2_wrap(
         device=device,
     )
     return fsdp2_prepare_model(view, model)
+
+
+def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device) -> Any:
+    """``FullyShardedDataParallelPlugin.ignored_modules`` as the modules accelerate's FSDP2 wrapping would ignore.
+
+    A pattern (a ``str``) is matched against ``model.named_modules()`` names with ``re.fullmatch``, as
+    ``accelerate.utils.fsdp_utils.get_parameters_from_modules`` does, and each matched module is moved to
+    ``device`` as it does, except a module holding a tensor on ``meta`` (its weights are filled by
+    ``rank0_distribute``, replicated on every rank: ``fully_shard`` leaves them whole). Anything else (``None``,
+    modules) is returned as given: accelerate takes their parameters without moving them.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+        >>> [type(x).__name__ for x in ignored_modules("[01]", m, torch.device("cpu"))]
+        ['Linear', 'Linear']
+    """
+    if not isinstance(spec, str):
+        return spec
+    import re
+
+    pattern = re.compile(spec)
+    found = []
+    for name, module in model.named_modules():
+        if pattern.fullmatch(name):
+            if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+                module.to(device)
+            found.append(module)
+    return found
 
 
 @contextlib.contextmanager

@@ -31,8 +31,9 @@ from .topology import Nodes, node_groups
 
 
 def send_by_node(sharded, replicated, nodes: Nodes, *, source: Rank0Source | None, reader: Any, local_names: set[str],
-                 locals_: dict[str, torch.Tensor], budget: int, prefetch_buckets: int, device: torch.device,
-                 check_finite: bool, progress: bool, timeout_s: float, stats: DistributeStats) -> None:
+                 locals_: dict[str, torch.Tensor], budget: int, prefetch_buckets: int,
+                 replicated_device: torch.device, check_finite: bool, progress: bool, timeout_s: float,
+                 stats: DistributeStats) -> None:
     """Fills every rank's shards through its node's leader (see the module docstring).
 
     Args:
@@ -42,6 +43,7 @@ def send_by_node(sharded, replicated, nodes: Nodes, *, source: Rank0Source | Non
         reader: On a leader other than rank 0, its open checkpoint when ``local_names`` is not empty.
         local_names: The weights the leaders read themselves (agreed on every rank).
         locals_: This rank's local shard of each sharded parameter.
+        replicated_device: Where the replicated tensors are installed.
     """
     rank = dist.get_rank()
     world = dist.get_world_size()
@@ -152,7 +154,7 @@ def send_by_node(sharded, replicated, nodes: Nodes, *, source: Rank0Source | Non
                     stats.bytes_sent_per_node[0] += nbytes * (len(node) - 1)
             else:
                 stats.bytes_received += nbytes
-        install_from(group, flat, device)
+        install_from(group, flat, replicated_device)
         del flat
     stats.local_tensors = len(own) + sum(1 for r in replicated if r[0] in local_names) if rank == leader else 0
     if rank == leader:

@@ -202,6 +202,7 @@ def distribute_from_rank0(
     bucket_bytes: int,
     prefetch_buckets: int,
     device: torch.device,
+    replicated_device: torch.device | None = None,
     check_finite: bool = False,
     progress: bool = False,
     local_source: SafetensorsSource | None = None,
@@ -217,6 +218,8 @@ def distribute_from_rank0(
         bucket_bytes: Bound on the cast copies rank 0 holds at once (see the module docstring).
         prefetch_buckets: Buckets rank 0 prepares ahead of the one being sent.
         device: Where the local shards live (the CPU under FSDP2 CPU offload).
+        replicated_device: Where the replicated tensors go (``None``: ``device``): the training device, also under
+            CPU offload, where ``fully_shard`` leaves buffers and the parameters it ignores on the device.
         check_finite: Rank 0 checks every weight for NaN/Inf while reading it.
         progress: Show a byte progress bar on rank 0 (only when hundreds of MB move).
         local_source: This rank's open checkpoint, when every rank reads the weights ``local_names`` (agreed
@@ -262,12 +265,13 @@ def distribute_from_rank0(
     if rank == 0:
         stats.from_checkpoint = len(source.from_checkpoint)
     materialize_meta_shards(model, device)
+    rdev = device if replicated_device is None else replicated_device
     local_names = set(local_names or ())
     if nodes is None and local_source is None:
         local_names = set()
     if nodes is None and local_names:
         _read_local(sharded, replicated, local_names, local_source, rank=rank, budget=budget, stats=stats,
-                    release=source.release if rank == 0 else None, device=device)
+                    release=source.release if rank == 0 else None, device=rdev)
         local_source.drop_scratch()  # rank 0 keeps the checkpoint open to send the rest: not its cast buffer
         sharded = [i for i in sharded if i.name not in local_names]
         replicated = [r for r in replicated if r[0] not in local_names]
@@ -283,13 +287,14 @@ def distribute_from_rank0(
             from .node_scatter import send_by_node
 
             send_by_node(sharded, replicated, nodes, source=source, reader=local_source, local_names=local_names,
-                         locals_=locals_, budget=budget, prefetch_buckets=prefetch_buckets, device=device,
+                         locals_=locals_, budget=budget, prefetch_buckets=prefetch_buckets, replicated_device=rdev,
                          check_finite=check_finite, progress=progress, timeout_s=coll.timeout_s, stats=stats)
         else:
             # gloo: one message per piece, zero-copy at both ends; other backends: a scatter per bucket
             send = _send_p2p if p2p else _send_flat
             send(sharded, replicated, source=source, coll=coll, locals_=locals_, budget=budget,
-                 prefetch_buckets=prefetch_buckets, device=device, check_finite=check_finite, progress=progress,
+                 prefetch_buckets=prefetch_buckets, replicated_device=rdev,
+                 check_finite=check_finite, progress=progress,
                  stats=stats)
     if rank == 0:
         stats.madvised_bytes = source.released_bytes

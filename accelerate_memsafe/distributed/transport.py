@@ -297,7 +297,7 @@ def double_buffered(coll: Collectives, items: Iterable[Any], post: Callable[[Any
 
 
 def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
-               device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
+               replicated_device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
     """Rank 0 scatters every bucket to all ranks, and broadcasts the replicated tensors.
 
     Buffers are reused (:class:`BufferRing` on rank 0, one staging buffer elsewhere), and a rank whose part
@@ -374,7 +374,7 @@ def _send_flat(sharded, replicated, *, source, coll: Collectives, locals_, budge
         double_buffered(coll, buckets, receive, lambda r: _received(coll, rank, locals_, stats, *r))
         del staging
 
-    _send_replicated(replicated, source=source, coll=coll, budget=budget, device=device, stats=stats)
+    _send_replicated(replicated, source=source, coll=coll, budget=budget, device=replicated_device, stats=stats)
 
 
 def _send_replicated(replicated, *, source, coll: Collectives, budget: int, device: torch.device,
@@ -427,7 +427,7 @@ def _wire_bytes(piece: _Piece) -> tuple[torch.dtype, int]:
 
 
 def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget: int, prefetch_buckets: int,
-              device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
+              replicated_device: torch.device, check_finite: bool, progress: bool, stats: DistributeStats) -> None:
     """The CPU (gloo) transport: every piece of the plan is one message, sent from rank 0's tensor as it is
     where it needs no cast (no copy, no bucket buffer: rank 0's private memory stays at its shard) and received
     straight into the receiving rank's shard where its bytes are contiguous there (no staging copy).
@@ -529,7 +529,7 @@ def _send_p2p(sharded, replicated, *, source, coll: Collectives, locals_, budget
 
         double_buffered(coll, buckets, receive, lambda r: _landed(coll, stats, *r))
         del staging
-    _send_replicated(replicated, source=source, coll=coll, budget=budget, device=device, stats=stats)
+    _send_replicated(replicated, source=source, coll=coll, budget=budget, device=replicated_device, stats=stats)
 
 
 def _landed(coll: Collectives, stats: DistributeStats, recvs: list, staged: list, pending: Any) -> None:

@@ -115,6 +115,7 @@ class Rank0DistributeStage(Stage):
                 bucket_bytes=self.options.bucket_bytes,
                 prefetch_buckets=self.options.prefetch_buckets,
                 device=device,
+                replicated_device=ctx.device,  # buffers and ignored parameters: where fully_shard leaves them
                 check_finite=self.options.check_finite_weights,
                 progress=self.options.progress,
                 local_source=reads.source,

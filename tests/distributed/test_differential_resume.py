@@ -14,7 +14,7 @@
   random id of the save), plus only the plugin's marker and dataloader states.
 
 The default suite runs a reduced set in which every loader form and every distributed type appears; the
-whole matrix (48 mid-epoch cells and 24 saved at an epoch boundary) runs with ``-m slow``.
+whole matrix (72 mid-epoch cells and 36 saved at an epoch boundary) runs with ``-m slow``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ REDUCED = [
     Cell("fsdp2_full", "random_sampler_gen", True),
     Cell("fsdp2_sharded", "stateful_gen", True),
     Cell("fsdp2_sharded", "seedable", False, boundary=True),
+    Cell("fsdp2_ignored", "shuffle_gen", True),
+    Cell("fsdp2_compile", "stateful", False),
     Cell("single", "stateful", False),
     Cell("single", "stateful_gen", False, boundary=True),
 ]

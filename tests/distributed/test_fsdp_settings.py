@@ -28,6 +28,16 @@ FAMILIES = {
         {"id": "activation_checkpointing", "fsdp": {**TBW, "activation_checkpointing": True}},
         {"id": "cpu_offload", "fsdp": {**TBW, "cpu_offload": True}},
         {"id": "bf16", "fsdp": TBW, "mixed_precision": "bf16"},
+        # accelerate resolves a pattern by moving each matched module to the device, which raised on the plugin's meta
+        # weights; stock's own cpu_ram_efficient_loading shards them anyway (model.to("meta") replaced the parameters
+        # it was told to ignore), the plugin leaves them whole as fully_shard is told
+        {"id": "ignored_modules", "fsdp": {**TBW, "ignored_modules": r"model\.layers\.0\.mlp|model\.norm"},
+         "whole": ["model.layers.0.mlp.", "model.norm."]},
+        {"id": "reshard_after_forward_false", "fsdp": {**TBW, "reshard_after_forward": False}},
+        # torch.compile (dynamo's `eager` backend: no C++ toolchain needed): accelerate compiles after `shard` wrapped
+        # the model (stock compiles before fully_shard); the same weights, losses and checkpoints
+        {"id": "compile", "fsdp": TBW, "dynamo": {"backend": "eager"}},
+        {"id": "compile_regional", "fsdp": TBW, "dynamo": {"backend": "eager", "use_regional_compilation": True}},
     ],
     "bert_mlm": [
         {"id": "no_wrap", "fsdp": {}},
@@ -58,6 +68,7 @@ def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_s
     summaries = run_on_ranks(w.run_cells, 2, timeout=420, init_process_group=False,
                              model_dir=model_dir, auto_name=auto, cells=FAMILIES[family])[0]
     failures = []
+    cell_of = {c["id"]: c for c in FAMILIES[family]}
     for s in summaries:
         cell = f"{family}/{s['cell']}"
         if s["plugin_error"]:
@@ -69,6 +80,10 @@ def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_s
             failures.append(f"{cell}: ties {s['ties']} != reference {s['ref_ties']}")
         if not s["ranks_agree"]:
             failures.append(f"{cell}: the ranks hold different full tensors")
+        prefixes = tuple(cell_of[s["cell"]].get("whole", ()))  # the parameters fully_shard must leave whole
+        if not all(n.startswith(prefixes) for n in s["whole"]) or not all(any(n.startswith(p) for n in s["whole"])
+                                                                          for p in prefixes):
+            failures.append(f"{cell}: parameters left whole (not DTensors) {s['whole']}, expected those under {prefixes}")
         if not s["finite"]:
             failures.append(f"{cell}: a training step made the weights non-finite")
         if s["cell"] != "bf16" and abs(s["loss"] - s["ref_loss"]) > 1e-4 * max(1.0, abs(s["ref_loss"])):

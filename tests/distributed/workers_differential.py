@@ -25,7 +25,12 @@ SEQ, SAMPLES, BATCH = 8, 24, 2
 #: Steps before the save (mid-epoch: 6 steps per epoch on 2 ranks) and epochs in all.
 K, EPOCHS = 4, 2
 LOADERS = ("shuffle", "shuffle_gen", "random_sampler_gen", "stateful", "stateful_gen", "seedable")
-DISTRIBUTED = ("ddp", "fsdp2_full", "fsdp2_sharded", "single")
+DISTRIBUTED = ("ddp", "fsdp2_full", "fsdp2_sharded", "fsdp2_ignored", "fsdp2_compile", "single")
+#: ``fsdp2_ignored``: FSDP2 (``SHARDED_STATE_DICT``) with ``ignored_modules`` naming a frozen module, which ``fully_shard``
+#: leaves whole on every rank (frozen, as a module FSDP does not reduce must be for the ranks to stay equal).
+IGNORED = r"model\.layers\.0\.mlp"
+#: ``fsdp2_compile``: FSDP2 (``SHARDED_STATE_DICT``) with ``torch.compile`` (dynamo's ``eager`` backend), which accelerate
+#: applies to the model the plugin's ``shard`` wrapped (stock compiles it first).
 
 
 @dataclass(frozen=True)
@@ -67,15 +72,20 @@ def _setup(cell: Cell, *, stock: bool, seed: int):
     kwargs: dict[str, Any] = {}
     if cell.distributed.startswith("fsdp2"):
         sdt = "FULL_STATE_DICT" if cell.distributed == "fsdp2_full" else "SHARDED_STATE_DICT"
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=sdt)
+        ignored = {"ignored_modules": IGNORED} if cell.distributed == "fsdp2_ignored" else {}
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=sdt, **ignored)
     else:
         kwargs["cpu"] = True
     stateful = cell.loader.startswith("stateful")
     kwargs["dataloader_config"] = DataLoaderConfiguration(use_stateful_dataloader=stateful,
                                                           use_seedable_sampler=cell.loader == "seedable")
     plugin = MemSafePlugin(stages=[]) if stock else MemSafePlugin(optimizer_offload=cell.offload)
+    if cell.distributed == "fsdp2_compile":
+        kwargs["dynamo_backend"] = "eager"
     acc = Accelerator(plugins=[plugin], **kwargs)
     model = build_llama("tiny", seed=seed)  # a resume builds from another seed: load_state must overwrite it
+    if cell.distributed == "fsdp2_ignored":
+        model.get_submodule(IGNORED.replace("\\", "")).requires_grad_(False)
     set_seed(0)  # the script's seed again: accelerate seeds a seedable sampler from torch.random.initial_seed()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = TensorDataset(torch.randint(0, 256, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1234)))

@@ -71,7 +71,7 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bool) -> dict[str, Any]:
     import transformers as tf
     from accelerate.state import AcceleratorState, GradientState
-    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
     import accelerate_memsafe
     from accelerate_memsafe import Accelerator, MemSafePlugin
@@ -83,12 +83,14 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
             plugins=[MemSafePlugin(stages=[] if stock else None)],
             fsdp_plugin=FullyShardedDataParallelPlugin(**kwargs),
             mixed_precision=cell.get("mixed_precision", "no"),
+            dynamo_plugin=TorchDynamoPlugin(**cell["dynamo"]) if "dynamo" in cell else None,
         )
         # stock: transformers' own load on every rank, as a user of stock accelerate writes it
         model = auto.from_pretrained(model_dir) if stock else accelerate_memsafe.from_pretrained(auto, model_dir)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         state = _full_state(model)
+        whole = sorted(n for n, p in model.named_parameters() if not hasattr(p, "full_tensor"))
         ties = _tie_groups(model)
         batch = _batch(model)
         with torch.no_grad():
@@ -97,7 +99,7 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         model(**batch).loss.backward()
         opt.step()
         finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all()) for p in model.parameters())
-        return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite,
+        return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite, "whole": whole,
                 "error": None, "dtypes": {n: str(t.dtype) for n, t in state.items()}}
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", "trace": traceback.format_exc()[-2000:]}
@@ -138,7 +140,7 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
             summary.update(
                 differ=differ, missing=[n for n in expected if n not in plugin["state"]],
                 ties=plugin["ties"], ref_ties=ref["ties"], loss=plugin["loss"], ref_loss=ref["loss"],
-                stock_loss=stock.get("loss"), finite=plugin["finite"],
+                stock_loss=stock.get("loss"), finite=plugin["finite"], whole=plugin["whole"],
             )
         else:
             summary["plugin_trace"] = plugin["trace"]

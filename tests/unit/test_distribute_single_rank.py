@@ -152,3 +152,34 @@ def test_a_short_wait_polls_often_and_a_long_one_backs_off(group, monkeypatch):
     late = [s for at, s in sleeps if at > C._SHORT_WAIT_S + 2e-3]
     assert early and max(early) <= C._SHORT_MAX_SLEEP_S
     assert late and max(late) == C._MAX_SLEEP_S > C._SHORT_MAX_SLEEP_S
+
+
+def test_parameters_fsdp_ignores_are_sent_whole_to_the_training_device(group):
+    # `FullyShardedDataParallelPlugin(ignored_modules=...)`: fully_shard leaves those parameters whole (no DTensor);
+    # they travel as replicated tensors, bitwise rank 0's, and land on `replicated_device` (the training device, also
+    # under CPU offload, where the shards stay on the CPU): on `meta` here, which only the routing can put them on
+    from torch.distributed.fsdp import fully_shard
+
+    def build():
+        torch.manual_seed(3)
+        m = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+        m.register_buffer("steps", torch.tensor([3, 1, 4]))
+        ref = {k: v.clone() for k, v in m.state_dict().items()}
+        originals = move_to_meta(m, [], weights_metadata(m), keep=True)
+        fully_shard(m, ignored_params=set(m[1].parameters()))
+        return m, ref, originals
+
+    for target in (torch.device("cpu"), torch.device("meta")):
+        model, ref, originals = build()
+        stats = distribute_from_rank0(model, Rank0Source(originals), coll=Collectives("test", timeout_s=30),
+                                      bucket_bytes=96, prefetch_buckets=1, device=torch.device("cpu"),
+                                      replicated_device=target)
+        assert stats.sharded_tensors == 2 and stats.replicated_tensors == 3
+        for name in ("0.weight", "0.bias"):
+            assert torch.equal(model.get_parameter(name).to_local(), ref[name]), name
+        for name in ("1.weight", "1.bias", "steps"):
+            got = model.get_parameter(name) if name != "steps" else model.steps
+            assert not hasattr(got, "to_local") and got.device == target, (name, got.device)
+            if target.type == "cpu":
+                assert torch.equal(got, ref[name]), name
+        assert isinstance(model[1].weight, nn.Parameter) and model[1].weight.requires_grad
