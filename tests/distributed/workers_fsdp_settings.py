@@ -86,7 +86,8 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
             dynamo_plugin=TorchDynamoPlugin(**cell["dynamo"]) if "dynamo" in cell else None,
         )
         # stock: transformers' own load on every rank, as a user of stock accelerate writes it
-        model = auto.from_pretrained(model_dir) if stock else accelerate_memsafe.from_pretrained(auto, model_dir)
+        load = cell.get("load", {})
+        model = auto.from_pretrained(model_dir, **load) if stock else accelerate_memsafe.from_pretrained(auto, model_dir, **load)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         state = _full_state(model)
@@ -100,6 +101,7 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         opt.step()
         finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all()) for p in model.parameters())
         return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite, "whole": whole,
+                "trained": {n: t for n, t in _full_state(model).items() if t.is_floating_point()},
                 "error": None, "dtypes": {n: str(t.dtype) for n, t in state.items()}}
     except Exception as exc:
         return {"ok": False, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}", "trace": traceback.format_exc()[-2000:]}
@@ -133,14 +135,18 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
         summary = {"cell": cell["id"], "plugin_error": plugin["error"], "stock_error": stock["error"],
                    "ranks_agree": len({float(d) for d in digests}) == 1}
         if plugin["ok"]:
-            expected = ref["state"] if cell.get("mixed_precision", "no") == "no" or not stock["ok"] else stock["state"]
-            if cell.get("mixed_precision", "no") != "no" and not stock["ok"]:
+            as_loaded = cell.get("mixed_precision", "no") == "no" and "load" not in cell  # the reference's dtypes
+            expected = ref["state"] if as_loaded or not stock["ok"] else stock["state"]
+            if not as_loaded and not stock["ok"]:
                 expected = {n: t.to(torch.float32) if t.is_floating_point() else t for n, t in ref["state"].items()}
             differ = [n for n, t in expected.items() if n not in plugin["state"] or not torch.equal(plugin["state"][n], t)]
             summary.update(
                 differ=differ, missing=[n for n in expected if n not in plugin["state"]],
                 ties=plugin["ties"], ref_ties=ref["ties"], loss=plugin["loss"], ref_loss=ref["loss"],
                 stock_loss=stock.get("loss"), finite=plugin["finite"], whole=plugin["whole"],
+                # after one step, every weight bitwise stock's (where stock runs)
+                trained_differ=[n for n, t in stock.get("trained", {}).items()
+                                if n not in plugin["trained"] or not torch.equal(plugin["trained"][n], t)],
             )
         else:
             summary["plugin_trace"] = plugin["trace"]
