@@ -29,6 +29,8 @@ FAMILIES = {
         {"id": "no_wrap", "fsdp": {}},
         {"id": "activation_checkpointing", "fsdp": {**TBW, "activation_checkpointing": True}},
         {"id": "cpu_offload", "fsdp": {**TBW, "cpu_offload": True}},
+        # transformers' own checkpointing (the Trainer's `gradient_checkpointing=True`), not accelerate's
+        {"id": "gradient_checkpointing", "fsdp": TBW, "gradient_checkpointing": {"use_reentrant": False}},
         {"id": "bf16", "fsdp": TBW, "mixed_precision": "bf16"},
         {"id": "fp16", "fsdp": TBW, "mixed_precision": "fp16"},
         {"id": "bf16_weights", "fsdp": TBW, "load": {"dtype": torch.bfloat16}},  # pure bf16 training: no upcast

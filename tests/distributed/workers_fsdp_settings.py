@@ -88,6 +88,8 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         # stock: transformers' own load on every rank, as a user of stock accelerate writes it
         load = cell.get("load", {})
         model = auto.from_pretrained(model_dir, **load) if stock else accelerate_memsafe.from_pretrained(auto, model_dir, **load)
+        if "gradient_checkpointing" in cell:  # transformers' own (Trainer's `gradient_checkpointing=True`)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=cell["gradient_checkpointing"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         state = _full_state(model)
