@@ -75,3 +75,19 @@ def test_recipe_that_differs_on_another_rank_is_resent_from_rank0():
     for rank, res in enumerate(results):
         assert torch.equal(res["freq"], want), f"rank {rank}"
         assert _details(res, rank, "buffer_init") == {"recomputed": 1, "broadcast": 0, "verified": 1, "resent": 1}
+
+
+def test_embeddings_resized_before_prepare_are_rank0s_on_every_rank(tiny_llama_dir):
+    # `resize_token_embeddings` draws the new rows at random: each process its own. Stock FSDP2 keeps each rank's own
+    # rows of its own draw (a mix of the ranks' draws, rank 0's model on no rank); with the plugin every rank holds
+    # rank 0's resized embedding, bitwise, whichever loader built it
+    results = run_on_ranks(w.prepare_resized, 2, init_process_group=False, timeout=240, model_dir=str(tiny_llama_dir))
+    for run in ("plugin", "plugin_memsafe_loader"):
+        want = results[0][run]["before"]
+        assert want.shape[0] == results[0][run]["after"].shape[0]
+        for rank, res in enumerate(results):
+            assert torch.equal(res[run]["after"], want), f"{run}, rank {rank}: not rank 0's resized embedding"
+    stock, want = results[0]["stock"]["after"], results[0]["stock"]["before"]
+    assert not torch.equal(stock, want), "stock kept rank 0's draw: the ranks no longer draw differently here"
+    half = stock.shape[0] // 2
+    assert torch.equal(stock[:half], want[:half]) and not torch.equal(stock[half:], want[half:])

@@ -120,3 +120,32 @@ def prepare_rank_dependent(rank: int, world_size: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
     return {"freq": model.freq.freq.detach().clone(), "report": plugin.report.to_dict(timeline=False)}
+
+
+def prepare_resized(rank: int, world_size: int, *, model_dir: str) -> dict[str, Any]:
+    """``resize_token_embeddings`` before ``prepare``, each rank drawing its new rows from its own seed (as separate
+    processes do without a common seed): transformers' load on every rank with the default ``mean_resizing``, for
+    the plugin and for stock (``stages=[]``); ``accelerate_memsafe.from_pretrained`` with ``mean_resizing=False``
+    (with the default, transformers reads the old rows' covariance on ``meta`` on the other ranks, and raises).
+    Returns, per run, the full embedding every rank holds after ``prepare``; rank 0 also what it held before."""
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+
+    out: dict[str, Any] = {}
+    for run, stages, loader, mean in (("plugin", None, "transformers", True), ("stock", [], "transformers", True),
+                                      ("plugin_memsafe_loader", None, "memsafe", False)):
+        acc, _ = _accelerator({"stages": stages}, efficient=False)
+        model = (AutoModelForCausalLM.from_pretrained(model_dir) if loader == "transformers"
+                 else accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir))
+        torch.manual_seed(1000 + rank)
+        model.resize_token_embeddings(model.config.vocab_size + 3, mean_resizing=mean)
+        before = model.get_input_embeddings().weight.detach().clone() if rank == 0 else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt = acc.prepare(model, opt)
+        out[run] = {"after": model.get_input_embeddings().weight.full_tensor().detach().clone(), "before": before}
+        del acc, model, opt
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return out
