@@ -27,7 +27,8 @@ K, EPOCHS = 4, 2
 LOADERS = ("shuffle", "shuffle_gen", "random_sampler_gen", "stateful", "stateful_gen", "seedable")
 DISTRIBUTED = ("ddp", "fsdp2_full", "fsdp2_sharded", "fsdp2_ignored", "fsdp2_compile", "single")
 #: ``fsdp2_ignored``: FSDP2 (``SHARDED_STATE_DICT``) with ``ignored_modules`` naming a frozen module, which ``fully_shard``
-#: leaves whole on every rank (frozen, as a module FSDP does not reduce must be for the ranks to stay equal).
+#: leaves whole on every rank (frozen, as a module FSDP does not reduce must be for the ranks to stay equal), and a
+#: frozen module FSDP shards; the optimizer holds the trainable parameters only.
 IGNORED = r"model\.layers\.0\.mlp"
 #: ``fsdp2_compile``: FSDP2 (``SHARDED_STATE_DICT``) with ``torch.compile`` (dynamo's ``eager`` backend), which accelerate
 #: applies to the model the plugin's ``shard`` wrapped (stock compiles it first).
@@ -84,10 +85,12 @@ def _setup(cell: Cell, *, stock: bool, seed: int):
         kwargs["dynamo_backend"] = "eager"
     acc = Accelerator(plugins=[plugin], **kwargs)
     model = build_llama("tiny", seed=seed)  # a resume builds from another seed: load_state must overwrite it
-    if cell.distributed == "fsdp2_ignored":
+    if cell.distributed == "fsdp2_ignored":  # and a frozen module FSDP shards
         model.get_submodule(IGNORED.replace("\\", "")).requires_grad_(False)
+        model.get_submodule("model.layers.1.self_attn").requires_grad_(False)
     set_seed(0)  # the script's seed again: accelerate seeds a seedable sampler from torch.random.initial_seed()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # with a frozen module, the optimizer over the trainable parameters only, as scripts build it
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     data = TensorDataset(torch.randint(0, 256, (SAMPLES, SEQ), generator=torch.Generator().manual_seed(1234)))
     if cell.loader == "shuffle_gen":  # the loader's generator is also the sampler's (base seed, then permutation)
         dl = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(7))

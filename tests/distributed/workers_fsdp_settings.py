@@ -90,7 +90,11 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         model = auto.from_pretrained(model_dir, **load) if stock else accelerate_memsafe.from_pretrained(auto, model_dir, **load)
         if "gradient_checkpointing" in cell:  # transformers' own (Trainer's `gradient_checkpointing=True`)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=cell["gradient_checkpointing"])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        frozen = cell.get("freeze", ())  # name prefixes frozen before the optimizer takes the trainable rest
+        for name, p in model.named_parameters():
+            if name.startswith(tuple(frozen)):
+                p.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] if frozen else model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         state = _full_state(model)
         whole = sorted(n for n, p in model.named_parameters() if not hasattr(p, "full_tensor"))
