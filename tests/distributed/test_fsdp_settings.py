@@ -33,8 +33,10 @@ FAMILIES = {
         {"id": "gradient_checkpointing", "fsdp": TBW, "gradient_checkpointing": {"use_reentrant": False}},
         {"id": "bf16", "fsdp": TBW, "mixed_precision": "bf16"},
         {"id": "fp16", "fsdp": TBW, "mixed_precision": "fp16"},
-        # a frozen layer, the optimizer over the trainable rest (accelerate upcasts only what trains)
-        {"id": "frozen_layer_bf16", "fsdp": TBW, "freeze": ["model.layers.0."], "mixed_precision": "bf16"},
+        # a frozen layer, the optimizer over the trainable rest in two groups (no weight decay on norms, another lr);
+        # accelerate upcasts only what trains
+        {"id": "frozen_layer_param_groups_bf16", "fsdp": TBW, "freeze": ["model.layers.0."], "param_groups": True,
+         "mixed_precision": "bf16"},
         {"id": "bf16_weights", "fsdp": TBW, "load": {"dtype": torch.bfloat16}},  # pure bf16 training: no upcast
         {"id": "mixed_precision_policy", "fsdp": {**TBW, "mixed_precision_policy": MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}},

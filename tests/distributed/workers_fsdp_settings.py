@@ -94,7 +94,13 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         for name, p in model.named_parameters():
             if name.startswith(tuple(frozen)):
                 p.requires_grad_(False)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] if frozen else model.parameters(), lr=1e-3)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if cell.get("param_groups"):  # no weight decay on norms and biases, as training scripts group them
+            groups = [{"params": [p for n, p in trainable if p.dim() > 1], "weight_decay": 0.1},
+                      {"params": [p for n, p in trainable if p.dim() <= 1], "weight_decay": 0.0, "lr": 5e-4}]
+        else:
+            groups = [p for _, p in trainable] if frozen else model.parameters()
+        opt = torch.optim.AdamW(groups, lr=1e-3)
         model, opt = acc.prepare(model, opt)
         state = _full_state(model)
         whole = sorted(n for n, p in model.named_parameters() if not hasattr(p, "full_tensor"))
