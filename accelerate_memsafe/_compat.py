@@ -175,14 +175,14 @@ def fsdp2_wrap(
     return fsdp2_prepare_model(view, model)
 
 
-def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device) -> Any:
+def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device | None = None) -> Any:
     """``FullyShardedDataParallelPlugin.ignored_modules`` as the modules accelerate's FSDP2 wrapping would ignore.
 
     A pattern (a ``str``) is matched against ``model.named_modules()`` names with ``re.fullmatch``, as
     ``accelerate.utils.fsdp_utils.get_parameters_from_modules`` does, and each matched module is moved to
-    ``device`` as it does, except a module holding a tensor on ``meta`` (its weights are filled by
-    ``rank0_distribute``, replicated on every rank: ``fully_shard`` leaves them whole). Anything else (``None``,
-    modules) is returned as given: accelerate takes their parameters without moving them.
+    ``device`` as it does (``None``: not moved, a look), except a module holding a tensor on ``meta`` (its weights
+    are filled by ``rank0_distribute``, replicated on every rank: ``fully_shard`` leaves them whole). Anything else
+    (``None``, modules) is returned as given: accelerate takes their parameters without moving them.
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
@@ -197,7 +197,7 @@ def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device) -> 
     found = []
     for name, module in model.named_modules():
         if pattern.fullmatch(name):
-            if not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            if device is not None and not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
                 module.to(device)
             found.append(module)
     return found

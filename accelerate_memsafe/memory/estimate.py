@@ -254,13 +254,21 @@ def tp_plan_declined(path: str | os.PathLike, tp: int) -> str | None:
     return tp_plan_problem(model, tp)
 
 
-def tensors_of_model(model: torch.nn.Module) -> tuple[TensorSpec, ...]:
-    """The :class:`TensorSpec`\\ s of a model in memory (the preflight check), in the dtype it holds now."""
+def tensors_of_model(model: torch.nn.Module, whole: Iterable[torch.nn.Parameter] = ()) -> tuple[TensorSpec, ...]:
+    """The :class:`TensorSpec`\\ s of a model in memory (the preflight check), in the dtype it holds now; the parameters
+    in ``whole`` (those FSDP ignores) are held whole on every rank, as persistent buffers are.
+
+    Example:
+        >>> m = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2))
+        >>> [t.sharded for t in tensors_of_model(m, whole=m[1].parameters())]
+        [True, True, False, False]
+    """
     out = []
     seen: set[int] = set()
+    kept = {id(p) for p in whole}
     for _, p in model.named_parameters():
         seen.add(id(p))
-        out.append(TensorSpec("", tuple(p.shape), p.element_size(), p.is_floating_point(), True))
+        out.append(TensorSpec("", tuple(p.shape), p.element_size(), p.is_floating_point(), id(p) not in kept))
     for mod in model.modules():
         for local, b in mod._buffers.items():
             if b is not None and id(b) not in seen and local not in mod._non_persistent_buffers_set:
@@ -451,7 +459,8 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
             chunk = max(chunk, min(budget, lay.block_bytes(t, t.file_itemsize)))
     ids = {id(t) for t in local}
     scattered = [t for t in lay.tensors if id(t) not in ids and t.sharded]
-    replicated = sum(t.numel * lay.itemsize(t) for t in lay.tensors if id(t) not in ids and not t.sharded)
+    whole = [t.numel * lay.itemsize(t) for t in lay.tensors if id(t) not in ids and not t.sharded]
+    replicated = sum(whole)
     p2p = transport == "p2p" and load_source != "node"
 
     def cut(t: TensorSpec) -> bool:  # a row larger than a rank's share is cut along dim 1 (not a view)
@@ -480,14 +489,16 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
         # a narrower dtype is widened on arrival: received into one of two staging buffers (one receiving while
         # the other is copied into place), whose pages this rank's narrow pieces touch
         buffers = staging_touched(lay, scattered, budget=budget, narrow=narrow, rank=rank)
-    group = min(budget, replicated)  # replicated tensors travel in groups of at most the budget
+    # replicated tensors travel in groups of at most the budget, a larger one alone (`transport.replicated_groups`)
+    group = min(max([budget, *whole]), replicated)
     if on_device:
         return StagePeak(max(chunk, piece) + DISTRIBUTE_OVERHEAD, lay.shard + buffers + group)
     if rank == 0 and load_source != "node":
         sent = rank0_send_peak(lay, local, scattered, copied=[id(t) for t in copied], budget=budget,
                                prefetch_buckets=prefetch_buckets, wire=wire)
-        return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece) + group
-                         + DISTRIBUTE_OVERHEAD)
+        # the replicated tensors come last: rank 0 holds all its shards then, and one group's broadcast buffer
+        return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece, lay.shard)
+                         + group + DISTRIBUTE_OVERHEAD)
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _compat
 from ..distributed.collectives import Collectives
 from ..distributed.local_read import LocalReads, agree_on_local_reads, close_unless, in_place_verdict
 from ..distributed.scatter import distribute_from_rank0
@@ -44,7 +45,8 @@ class Rank0DistributeStage(Stage):
             return None  # `shard` and `meta_placement` skip (e.g. a model transformers parallelised): nothing is sent
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        tensors = tensors_of_model(ctx.model)
+        ignored = _compat.ignored_modules(getattr(ctx.fsdp_plugin, "ignored_modules", None), ctx.model) or ()
+        tensors = tensors_of_model(ctx.model, whole=(p for m in ignored for p in m.parameters()))
         load_bytes = max((t.file_itemsize for t in tensors if t.floating), default=4)
         lay = layout(tensors, world_size=ctx.world_size, load_bytes=load_bytes, mixed_precision=ctx.mixed_precision,
                      blocks=self._blocks(ctx))

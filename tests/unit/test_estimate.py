@@ -232,6 +232,30 @@ def test_the_preflight_estimate_holds_a_block_per_dp_shard_under_hsdp_and_a_decl
     assert estimate(tp) == 5 * 4 * MIB
 
 
+def test_the_preflight_estimate_holds_the_parameters_fsdp_ignores_whole():
+    """`ignored_modules` (a pattern, as scripts and `FSDP_IGNORED_MODULES` give it): fully_shard leaves those parameters
+    whole on every rank, so the estimate counts all their rows; the look moves no module."""
+    from types import SimpleNamespace
+
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.pipeline import HookContext
+    from accelerate_memsafe.stages.rank0_distribute import Rank0DistributeStage
+
+    model = torch.nn.Sequential(torch.nn.Linear(2**20, 10, bias=False), torch.nn.Linear(2**20, 10, bias=False))
+    stage = Rank0DistributeStage(MemSafePlugin(load_source="rank0"))
+
+    def estimate(ignored):
+        ctx = HookContext(hook="prepare", rank=1, world_size=4, device=torch.device("cpu"), options=stage.options,
+                          model=model, is_fsdp2=True, mixed_precision="no",
+                          fsdp_plugin=SimpleNamespace(ignored_modules=ignored, cpu_offload=None))
+        return stage.estimate(ctx).cpu_bytes - DISTRIBUTE_OVERHEAD
+
+    assert estimate(None) == 2 * 3 * 4 * MIB  # 3 of the 10 fp32 rows of each weight
+    # the second weight whole, and the broadcast buffer it arrives in (alone: larger than a group's 16 MiB budget)
+    assert estimate("1") == 3 * 4 * MIB + 10 * 4 * MIB + 10 * 4 * MIB
+    assert estimate([model[0]]) == 10 * 4 * MIB + 3 * 4 * MIB + 10 * 4 * MIB
+
+
 def test_no_preflight_estimate_where_the_fsdp2_stages_skip_and_no_tp_rehearsal_for_it(monkeypatch):
     """A model transformers already parallelised while loading (`tp_plan`: DTensor weights) goes to accelerate's own
     prepare: `shard` skips (its verdict is missing from the exchange), nothing is sent, and the estimate neither
