@@ -45,6 +45,11 @@ FAMILIES = {
         # it was told to ignore), the plugin leaves them whole as fully_shard is told
         {"id": "ignored_modules", "fsdp": {**TBW, "ignored_modules": r"model\.layers\.0\.mlp|model\.norm"},
          "whole": ["model.layers.0.mlp.", "model.norm."]},
+        # the same under activation checkpointing and bf16, against a stock that keeps the setting (no
+        # cpu_ram_efficient_loading): the ignored norm stays fp32 outside FSDP's mixed precision, bitwise stock's
+        {"id": "ignored_modules_ac_bf16", "fsdp": {**TBW, "ignored_modules": r"model\.norm", "activation_checkpointing": True,
+                                                    "cpu_ram_efficient_loading": False},
+         "mixed_precision": "bf16", "whole": ["model.norm."]},
         {"id": "reshard_after_forward_false", "fsdp": {**TBW, "reshard_after_forward": False}},
         # torch.compile (dynamo's `eager` backend: no C++ toolchain needed): accelerate compiles after `shard` wrapped
         # the model (stock compiles before fully_shard); the same weights, losses and checkpoints
