@@ -130,7 +130,8 @@ def _args(out: str, *, sft: bool, fsdp2: bool, max_steps: int = 4, **extra: Any)
     if sft:
         from trl import SFTConfig
 
-        return SFTConfig(**kwargs, bf16=False, gradient_checkpointing=False, max_length=16, packing=False)
+        # TRL's defaults otherwise: gradient checkpointing on (transformers' own, through peft's input grads)
+        return SFTConfig(**kwargs, bf16=False, max_length=16, packing=False)
     return TrainingArguments(**kwargs)
 
 
