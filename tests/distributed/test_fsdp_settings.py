@@ -28,6 +28,8 @@ FAMILIES = {
         {"id": "size_based_wrap", "fsdp": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 500}},
         {"id": "no_wrap", "fsdp": {}},
         {"id": "activation_checkpointing", "fsdp": {**TBW, "activation_checkpointing": True}},
+        {"id": "activation_checkpointing_offload", "fsdp": {**TBW, "activation_checkpointing": True,
+                                                             "activation_checkpointing_offload": True}},
         {"id": "cpu_offload", "fsdp": {**TBW, "cpu_offload": True}},
         # transformers' own checkpointing (the Trainer's `gradient_checkpointing=True`), not accelerate's
         {"id": "gradient_checkpointing", "fsdp": TBW, "gradient_checkpointing": {"use_reentrant": False}},
@@ -107,6 +109,8 @@ def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_s
             and "mixed_precision_policy" not in cell_of[s["cell"]]["fsdp"]
         if exact and abs(s["loss"] - s["ref_loss"]) > 1e-4 * max(1.0, abs(s["ref_loss"])):
             failures.append(f"{cell}: loss {s['loss']} vs reference {s['ref_loss']}")
+        if s["tree_differs"]:
+            failures.append(f"{cell}: the prepared module tree differs from stock's")
         if s["trained_differ"]:
             failures.append(f"{cell}: after a step, {len(s['trained_differ'])} weight(s) differ from stock's: "
                             f"{s['trained_differ'][:5]}")

@@ -104,6 +104,8 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         model, opt = acc.prepare(model, opt)
         state = _full_state(model)
         whole = sorted(n for n, p in model.named_parameters() if not hasattr(p, "full_tensor"))
+        # the module tree as prepare leaves it: FSDP groups (FSDP* classes), checkpoint and offload wrappers
+        tree = [(name, type(m).__name__) for name, m in model.named_modules()]
         ties = _tie_groups(model)
         batch = _batch(model)
         with torch.no_grad():
@@ -112,7 +114,7 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         model(**batch).loss.backward()
         opt.step()
         finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all()) for p in model.parameters())
-        return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite, "whole": whole,
+        return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite, "whole": whole, "tree": tree,
                 "trained": {n: t for n, t in _full_state(model).items() if t.is_floating_point()},
                 "error": None, "dtypes": {n: str(t.dtype) for n, t in state.items()}}
     except Exception as exc:
@@ -156,6 +158,9 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
                 differ=differ, missing=[n for n in expected if n not in plugin["state"]],
                 ties=plugin["ties"], ref_ties=ref["ties"], loss=plugin["loss"], ref_loss=ref["loss"],
                 stock_loss=stock.get("loss"), finite=plugin["finite"], whole=plugin["whole"],
+                # the same module tree as stock's (where stock runs), but under torch.compile: accelerate compiles the
+                # model `shard` wrapped, stock the one it then wraps (docs/prepare.md)
+                tree_differs=stock["ok"] and "dynamo" not in cell and plugin["tree"] != stock["tree"],
                 # after one step, every weight bitwise stock's (where stock runs)
                 trained_differ=[n for n, t in stock.get("trained", {}).items()
                                 if n not in plugin["trained"] or not torch.equal(plugin["trained"][n], t)],
