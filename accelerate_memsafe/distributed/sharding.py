@@ -54,6 +54,33 @@ def canonical_name(name: str) -> str:
     return name.replace("_orig_mod.", "").replace("._orig_mod", "")
 
 
+def stepped_state(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer``'s state is not the one it builds when constructed (``None``: it is, or it has none): a
+    parameter's state without a ``step``, or with a ``step`` other than 0. A ``step`` on ``meta`` counts as 0 (the
+    parameters of a rank that holds them on ``meta`` have taken no step).
+
+    Example:
+        >>> p = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.Adagrad([p], lr=0.1)  # builds its accumulators at construction
+        >>> stepped_state(opt) is None
+        True
+        >>> p.grad = torch.ones(2); opt.step()
+        >>> stepped_state(opt)
+        'a parameter has taken 1 step(s)'
+    """
+    for state in optimizer.state.values():
+        step = state.get("step") if isinstance(state, dict) else None
+        if step is None:
+            return "a parameter's state has no `step`"
+        if isinstance(step, torch.Tensor):
+            if step.is_meta:
+                continue
+            step = step.item()
+        if step != 0:
+            return f"a parameter has taken {step:g} step(s)"
+    return None
+
+
 def remap_optimizer_params(optimizers: list[torch.optim.Optimizer], old: dict[str, Any], new: dict[str, Any]) -> int:
     """Points every optimizer param group at the new (sharded) parameters, matched by name.
 
@@ -66,8 +93,9 @@ def remap_optimizer_params(optimizers: list[torch.optim.Optimizer], old: dict[st
         The number of parameter slots switched.
 
     Raises:
-        ValueError: If an optimizer holds a parameter that is not in the model, or already has state
-            (state of unsharded parameters cannot be carried over).
+        ValueError: If an optimizer holds a parameter that is not in the model, or has taken a step (state of unsharded
+            parameters cannot be carried over; the state an optimizer builds when constructed, :func:`stepped_state`, is
+            dropped: it builds it again for the sharded parameters).
 
     Example:
         >>> p = torch.nn.Parameter(torch.zeros(2)); q = torch.nn.Parameter(torch.ones(2))
@@ -81,10 +109,18 @@ def remap_optimizer_params(optimizers: list[torch.optim.Optimizer], old: dict[st
     switched = 0
     for k, opt in enumerate(optimizers):
         if len(opt.state) > 0:
-            raise ValueError(
-                f"optimizer #{k} already has state for {len(opt.state)} parameter(s); FSDP2 cannot carry the state "
-                "of unsharded parameters over. Build the optimizer, then call `prepare` before the first step."
-            )
+            stepped = stepped_state(opt)
+            if stepped:
+                raise ValueError(
+                    f"optimizer #{k} already has state for {len(opt.state)} parameter(s), {stepped}; FSDP2 cannot carry "
+                    "the state of unsharded parameters over. Build the optimizer, then call `prepare` before the first "
+                    "step."
+                )
+            # the state an optimizer builds when it is constructed (Adagrad's accumulators at their initial value,
+            # step 0), for the unsharded parameters: the optimizer builds the same for the sharded ones at its first
+            # step, as it does under stock accelerate, which keeps these full-size tensors and then fails in
+            # `save_state` (`state_dict` meets state of parameters no group holds)
+            opt.state.clear()
         unknown = []
         for group in opt.param_groups:
             params = []

@@ -79,3 +79,22 @@ def test_truncated_sharded_optimizer_file_is_refused_before_anything_changes(tmp
     for rank in range(2):
         assert res[rank]["refused"] and str(victim) in res[rank]["refused"] and "truncated" in res[rank]["refused"]
         assert res[rank]["unchanged"], f"rank {rank}: model or optimizer changed before the refusal"
+
+
+def test_an_optimizer_that_builds_its_state_when_constructed_trains_saves_and_resumes(tmp_path):
+    # torch.optim.Adagrad builds its accumulators (step 0) in its constructor, before `prepare`. Stock accelerate keeps
+    # those full-size tensors of the unsharded parameters beside the sharded ones the optimizer builds at its first
+    # step, and its `save_state` fails (`state_dict` meets state of parameters no group holds); the plugin drops
+    # them at `shard` (the optimizer builds the same for the sharded parameters): bitwise stock's training, a
+    # checkpoint, and an exact resume
+    results = run_on_ranks(workers_resume.adagrad_run, 2, init_process_group=False, timeout=240, out=str(tmp_path))
+    for rank, res in enumerate(results):
+        stock, plugin, resumed = res["stock"], res["plugin"], res["resumed"]
+        assert stock["state_before_prepare"] > 0 and plugin["state_before_prepare"] > 0
+        assert plugin["error"] is None and resumed["error"] is None, (rank, plugin["error"], resumed["error"])
+        assert plugin["stale_state"] == 0 and resumed["stale_state"] == 0
+        assert resumed["losses"] == plugin["losses"][2:], rank
+        # control: stock fails in save_state, after training the same steps
+        assert stock["error"] is not None and stock["error"].startswith("KeyError"), (rank, stock)
+        assert stock["losses"] == plugin["losses"][:2], rank
+        assert stock["stale_state"] > 0

@@ -153,3 +153,55 @@ def resumed_run(rank: int, world_size: int, *, out: str, sdt: str, offload: bool
             "in_place": bool(ptrs_before) and ptrs_before == ptrs_after, "leftovers": leftovers,
             "records": [{"stage": r["stage"], "status": r["status"], "details": r.get("details", {}), "reason": r.get("reason"), "hook": r.get("hook"),
                          "live": r.get("live_tensor_peak_bytes")} for r in records]}
+
+
+def adagrad_run(rank: int, world_size: int, *, out: str) -> dict[str, Any]:
+    """FSDP2 (SHARDED) with ``torch.optim.Adagrad``, which builds its state when constructed, before ``prepare``: the
+    stock path trains 2 steps and saves; the plugin trains 2 steps, saves, trains 2 more; then a fresh model and
+    Adagrad are prepared, load the plugin's checkpoint and train 2 steps."""
+    import os
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import FullyShardedDataParallelPlugin, set_seed
+
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+    from accelerate_memsafe.models import build_llama
+
+    ids = torch.arange(16).reshape(2, 8) % 50
+
+    def run(stock: bool, *, seed: int, save: str | None = None, load: str | None = None, steps: int = 2):
+        set_seed(0)
+        acc = Accelerator(plugins=[MemSafePlugin(stages=[] if stock else None)],
+                          fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT"))
+        model = build_llama("tiny", seed=seed)
+        opt = torch.optim.Adagrad(model.parameters(), lr=1e-2)
+        losses: list[float] = []
+        res: dict[str, Any] = {"state_before_prepare": len(opt.state), "losses": losses}
+        try:
+            model, opt = acc.prepare(model, opt)
+            if load:
+                acc.load_state(load)
+            for i in range(steps):
+                loss = model(input_ids=ids, labels=ids).loss
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if save and i == 1:
+                    acc.save_state(save)
+            acc.wait_for_everyone()
+            res["error"] = None
+        except Exception as exc:
+            res["error"] = f"{type(exc).__name__}: {exc}"
+        res["stale_state"] = sum(1 for p in opt.state if not hasattr(p, "full_tensor"))  # state of unsharded parameters
+        del acc, model, opt
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+        return res
+
+    return {
+        "stock": run(True, seed=0, save=os.path.join(out, "stock")),
+        "plugin": run(False, seed=0, save=os.path.join(out, "plugin"), steps=4),
+        "resumed": run(False, seed=7, load=os.path.join(out, "plugin")),
+    }
