@@ -133,3 +133,16 @@ def test_tensor_subclass_parameters_are_refused_on_every_rank_before_anything_mo
         assert r["error"] and r["error"].startswith("CheckpointError"), (rank, r)
         assert "tensor subclass" in r["error"] and "QuantizedParam" in r["error"] and "model.layers.0.mlp.up_proj.weight" in r["error"]
         assert r["unchanged"], f"rank {rank} modified the model before refusing"
+
+
+def test_a_channels_last_model_prepares_and_trains_where_stock_fully_shard_refuses_it():
+    # `fully_shard` refuses non-contiguous parameters (a convolution kept channels_last), so stock accelerate cannot
+    # prepare the model; the plugin's `shard` wraps it on meta and `rank0_distribute` fills contiguous shards: every
+    # rank holds rank 0's weights and a step gives, bitwise, the weights of the same step in one process without FSDP
+    results = run_on_ranks(w.prepare_channels_last, 2, timeout=180, init_process_group=False)
+    for rank, res in enumerate(results):
+        assert res["stock"]["error"] and "non-contiguous parameters" in res["stock"]["error"], (rank, res["stock"]["error"])
+        assert res["plugin"]["error"] is None, (rank, res["plugin"]["error"])
+        for name, want in res["before"].items():
+            assert torch.equal(res["plugin"]["prepared"][name], want), (rank, name)
+            assert torch.equal(res["plugin"]["after"][name], res["ref_after"][name]), (rank, name)

@@ -203,3 +203,43 @@ def prepare_with_tensor_subclass(rank: int, world_size: int, *, model_dir: str) 
         unchanged = all(p is before[n] and (rank != 0 or not p.is_meta) for n, p in model.named_parameters())
         return {"error": f"{type(exc).__name__}: {exc}", "unchanged": unchanged}
     return {"error": None}
+
+
+def prepare_channels_last(rank: int, world_size: int) -> dict[str, Any]:
+    """A convolution model kept ``channels_last`` (non-contiguous parameters), prepared with the plugin and with stock
+    (``stages=[]``), one step on the same batch on both ranks; and the same step in one process without FSDP."""
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(),
+                                   torch.nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1)).to(memory_format=torch.channels_last)
+    ref = build()
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    out: dict[str, Any] = {"before": before, "ref_after": {n: p.detach().clone() for n, p in ref.named_parameters()}}
+    for who in ("plugin", "stock"):
+        acc = Accelerator(plugins=[MemSafePlugin(stages=[] if who == "stock" else None)],
+                          fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        try:
+            model, opt = acc.prepare(model, opt)
+            prepared = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+            acc.backward(model(x).square().mean())
+            opt.step()
+            out[who] = {"error": None, "prepared": prepared,
+                        "after": {n: p.full_tensor().clone() for n, p in model.named_parameters()}}
+        except Exception as exc:
+            out[who] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=False)
+            GradientState._reset_state()
+    return out
