@@ -496,8 +496,9 @@ def distribute_peak(lay: Layout, *, rank: int, bucket_bytes: int, prefetch_bucke
     if rank == 0 and load_source != "node":
         sent = rank0_send_peak(lay, local, scattered, copied=[id(t) for t in copied], budget=budget,
                                prefetch_buckets=prefetch_buckets, wire=wire)
-        # the replicated tensors come last: rank 0 holds all its shards then, and one group's broadcast buffer
-        return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece, lay.shard)
+        # the replicated tensors come last, each group received into one buffer and installed as new tensors, beside
+        # what the scatter left
+        return StagePeak(max(lay.shard - sum(lay.block_bytes(t) for t in scattered) + chunk, sent + piece + replicated)
                          + group + DISTRIBUTE_OVERHEAD)
     return StagePeak(lay.shard + max(chunk, buffers + piece) + group + DISTRIBUTE_OVERHEAD)
 
