@@ -109,6 +109,10 @@ def test_every_setting_matches_a_single_process_load_and_never_does_worse_than_s
             and "mixed_precision_policy" not in cell_of[s["cell"]]["fsdp"]
         if exact and abs(s["loss"] - s["ref_loss"]) > 1e-4 * max(1.0, abs(s["ref_loss"])):
             failures.append(f"{cell}: loss {s['loss']} vs reference {s['ref_loss']}")
+        # the script's hooks fire as under stock, or (where stock fails) as in one process without FSDP
+        if s["hooks"] != (s["stock_hooks"] or s["ref_hooks"]) or not any(s["hooks"].values()):
+            failures.append(f"{cell}: the script's hooks fired {s['hooks']} (stock: {s['stock_hooks']}, one process: "
+                            f"{s['ref_hooks']})")
         if s["tree_differs"]:
             failures.append(f"{cell}: the prepared module tree differs from stock's")
         if s["trained_differ"]:

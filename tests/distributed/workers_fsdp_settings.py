@@ -68,6 +68,24 @@ def _full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _user_hooks(model: torch.nn.Module) -> dict[str, int]:
+    """Hooks a script registers before ``prepare`` (a pre-hook and a hook on the input embeddings, a backward hook on
+    the output embeddings); returns their call counts, filled as they fire."""
+    calls = {"pre": 0, "forward": 0, "backward": 0}
+
+    def count(key: str):
+        def hook(*_: Any) -> None:
+            calls[key] += 1
+        return hook
+
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embed.register_forward_pre_hook(count("pre"))
+    embed.register_forward_hook(count("forward"))
+    if head is not None:
+        head.register_full_backward_hook(count("backward"))
+    return calls
+
+
 def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bool) -> dict[str, Any]:
     import transformers as tf
     from accelerate.state import AcceleratorState, GradientState
@@ -88,6 +106,7 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         # stock: transformers' own load on every rank, as a user of stock accelerate writes it
         load = cell.get("load", {})
         model = auto.from_pretrained(model_dir, **load) if stock else accelerate_memsafe.from_pretrained(auto, model_dir, **load)
+        hooks = _user_hooks(model)
         if "gradient_checkpointing" in cell:  # transformers' own (Trainer's `gradient_checkpointing=True`)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=cell["gradient_checkpointing"])
         frozen = cell.get("freeze", ())  # name prefixes frozen before the optimizer takes the trainable rest
@@ -115,6 +134,7 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         opt.step()
         finite = all(bool(torch.isfinite(p.full_tensor() if hasattr(p, "full_tensor") else p).all()) for p in model.parameters())
         return {"ok": True, "state": state, "ties": ties, "loss": loss, "finite": finite, "whole": whole, "tree": tree,
+                "hooks": dict(hooks),
                 "trained": {n: t for n, t in _full_state(model).items() if t.is_floating_point()},
                 "error": None, "dtypes": {n: str(t.dtype) for n, t in state.items()}}
     except Exception as exc:
@@ -133,9 +153,11 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
     ref = None
     if rank == 0:
         ref_model = getattr(tf, auto_name).from_pretrained(model_dir)
-        ref = {"state": _full_state(ref_model), "ties": _tie_groups(ref_model)}
+        ref = {"state": _full_state(ref_model), "ties": _tie_groups(ref_model), "hooks": _user_hooks(ref_model)}
         with torch.no_grad():
             ref["loss"] = ref_model(**_batch(ref_model)).loss.float().item()
+        ref_model.train()
+        ref_model(**_batch(ref_model)).loss.backward()  # the cells' calls: a loss without grad, then a training step
     summaries = []
     for cell in cells:
         plugin = _run_cell(auto_name, model_dir, cell, stock=False)
@@ -161,6 +183,8 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
                 # the same module tree as stock's (where stock runs), but under torch.compile: accelerate compiles the
                 # model `shard` wrapped, stock the one it then wraps (docs/prepare.md)
                 tree_differs=stock["ok"] and "dynamo" not in cell and plugin["tree"] != stock["tree"],
+                # the hooks the script registered before prepare fire, as often as under stock
+                hooks=plugin["hooks"], stock_hooks=stock.get("hooks"), ref_hooks=dict(ref["hooks"]),
                 # after one step, every weight bitwise stock's (where stock runs)
                 trained_differ=[n for n, t in stock.get("trained", {}).items()
                                 if n not in plugin["trained"] or not torch.equal(plugin["trained"][n], t)],
