@@ -46,6 +46,16 @@ def accelerate_groups_a_tied_head_with_its_embedding() -> bool:
     return Version(accelerate.__version__) >= Version("1.15")
 
 
+def accelerate_offloads_checkpointed_activations() -> bool:
+    """Whether accelerate's FSDP plugin has ``activation_checkpointing_offload`` (1.15 on): FSDP2 activation
+    checkpointing whose saved inputs go to the host (``offload_wrapper``). 1.14 refuses the keyword."""
+    import dataclasses
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return any(f.name == "activation_checkpointing_offload" for f in dataclasses.fields(FullyShardedDataParallelPlugin))
+
+
 def torch_records_meta_offsets() -> bool:
     """Whether the installed torch records where each storage lies in a ``torch.save`` file when it loads it on
     ``meta`` (2.11 on): the optimizer reload reads each tensor there. Without, it maps the file and copies from the

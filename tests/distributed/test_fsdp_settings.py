@@ -28,8 +28,9 @@ FAMILIES = {
         {"id": "size_based_wrap", "fsdp": {"auto_wrap_policy": "size_based_wrap", "min_num_params": 500}},
         {"id": "no_wrap", "fsdp": {}},
         {"id": "activation_checkpointing", "fsdp": {**TBW, "activation_checkpointing": True}},
-        {"id": "activation_checkpointing_offload", "fsdp": {**TBW, "activation_checkpointing": True,
-                                                             "activation_checkpointing_offload": True}},
+        *([{"id": "activation_checkpointing_offload", "fsdp": {**TBW, "activation_checkpointing": True,
+                                                                "activation_checkpointing_offload": True}}]
+          if releases.accelerate_offloads_checkpointed_activations() else []),
         {"id": "cpu_offload", "fsdp": {**TBW, "cpu_offload": True}},
         # transformers' own checkpointing (the Trainer's `gradient_checkpointing=True`), not accelerate's
         {"id": "gradient_checkpointing", "fsdp": TBW, "gradient_checkpointing": {"use_reentrant": False}},

@@ -153,7 +153,8 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
     ref = None
     if rank == 0:
         ref_model = getattr(tf, auto_name).from_pretrained(model_dir)
-        ref = {"state": _full_state(ref_model), "ties": _tie_groups(ref_model), "hooks": _user_hooks(ref_model)}
+        ref = {"state": _full_state(ref_model), "ties": _tie_groups(ref_model), "hooks": _user_hooks(ref_model),
+               "parameters": {n for n, _ in ref_model.named_parameters()}}
         with torch.no_grad():
             ref["loss"] = ref_model(**_batch(ref_model)).loss.float().item()
         ref_model.train()
@@ -173,8 +174,10 @@ def run_cells(rank: int, world_size: int, *, model_dir: str, auto_name: str, cel
         if plugin["ok"]:
             as_loaded = cell.get("mixed_precision", "no") == "no" and "load" not in cell  # the reference's dtypes
             expected = ref["state"] if as_loaded or not stock["ok"] else stock["state"]
-            if not as_loaded and not stock["ok"]:
-                expected = {n: t.to(torch.float32) if t.is_floating_point() else t for n, t in ref["state"].items()}
+            if not as_loaded and not stock["ok"]:  # the reference's parameters in the dtype the cell trains in
+                dtype = torch.float32 if cell.get("mixed_precision", "no") != "no" else cell["load"].get("dtype", torch.float32)
+                expected = {n: t.to(dtype) if t.is_floating_point() and n in ref["parameters"] else t
+                            for n, t in ref["state"].items()}
             differ = [n for n, t in expected.items() if n not in plugin["state"] or not torch.equal(plugin["state"][n], t)]
             summary.update(
                 differ=differ, missing=[n for n in expected if n not in plugin["state"]],

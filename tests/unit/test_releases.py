@@ -13,7 +13,7 @@ from accelerate_memsafe import _compat
 from tests import releases
 
 PROBES = [releases.accelerate_refuses_context_parallel_layer_types, releases.stock_reloads_a_full_state_dict_adapter,
-          releases.accelerate_groups_a_tied_head_with_its_embedding]
+          releases.accelerate_groups_a_tied_head_with_its_embedding, releases.accelerate_offloads_checkpointed_activations]
 
 
 @pytest.mark.parametrize("probe", PROBES, ids=lambda p: p.__name__)
