@@ -293,9 +293,8 @@ def distribute_from_rank0(
             # gloo: one message per piece, zero-copy at both ends; other backends: a scatter per bucket
             send = _send_p2p if p2p else _send_flat
             send(sharded, replicated, source=source, coll=coll, locals_=locals_, budget=budget,
-                 prefetch_buckets=prefetch_buckets, replicated_device=rdev,
-                 check_finite=check_finite, progress=progress,
-                 stats=stats)
+                 prefetch_buckets=prefetch_buckets, replicated_device=rdev, check_finite=check_finite,
+                 progress=progress, stats=stats)
     if rank == 0:
         stats.madvised_bytes = source.released_bytes
         source.close()
