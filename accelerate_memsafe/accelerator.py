@@ -198,8 +198,10 @@ class MemSafeMixin:
         if ctx.model is not None and not meta_after_failure:
             from .distributed.meta import refuse_unfilled_meta_weights
 
-            refuse_unfilled_meta_weights(ctx.model, self._memsafe_meta_gap(ctx), rank=ctx.rank, world_size=ctx.world_size,
-                                         timeout_s=self.memsafe_plugin.collective_timeout_s)
+            refuse_unfilled_meta_weights(
+                ctx.model, self._memsafe_meta_gap(ctx), rank=ctx.rank, world_size=ctx.world_size,
+                timeout_s=self.memsafe_plugin.collective_timeout_s,
+                broadcast_by_accelerate=ctx.is_fsdp2 and bool(getattr(ctx.fsdp_plugin, "cpu_ram_efficient_loading", False)))
         # A call without a model or an optimizer (a Trainer prepares each dataloader alone) still runs the stages
         # (dataloader_resume records its dataloaders) but adds no records: one `prepare` pipeline per model.
         pipeline = self.memsafe_plugin.pipeline

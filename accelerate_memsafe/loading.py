@@ -67,7 +67,7 @@ def from_pretrained(model_cls: Any, path: str | os.PathLike, **kwargs: Any) -> t
             _check_checkpoint(model_cls, path, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
         model, info = model_cls.from_pretrained(path, output_loading_info=True, **kwargs)
-        _check_loading_info(path, info)
+        _check_loading_info(path, info, model, ignore_mismatched=bool(kwargs.get("ignore_mismatched_sizes")))
         if want_info:
             return model, info
         if os.path.isdir(path):
@@ -130,18 +130,48 @@ def _check_checkpoint(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> None
     infos = validate.check_safetensors_checkpoint(path)
     meta = _build_on_meta(model_cls, path, kwargs)
     state = meta.state_dict()
-    validate.check_shapes(infos, {n: tuple(t.shape) for n, t in state.items()}, where=str(path))
+    if kwargs.get("ignore_mismatched_sizes"):
+        # asked for: transformers initialises the tensors of another shape anew, and never reads them
+        state = {n: t for n, t in state.items() if n not in infos or tuple(infos[n].shape) == tuple(t.shape)}
+    validate.check_shapes(infos, {n: tuple(t.shape) for n, t in state.items()}, where=str(path), hint=(
+        "Load a checkpoint saved from the same model (same config); to put a head with another shape on it (another "
+        "number of labels), pass `ignore_mismatched_sizes=True`, as to transformers."))
     validate.check_casts(infos, {n: t.dtype for n, t in state.items()})
 
 
-def _check_loading_info(path: Any, info: dict[str, Any]) -> None:
-    """Refuses a load that transformers completed with missing, unexpected or mismatched tensors (it
-    would initialise the missing ones randomly and only log a warning)."""
-    from .io.validate import raise_if_mismatched
+def _check_loading_info(path: Any, info: dict[str, Any], model: torch.nn.Module, *, ignore_mismatched: bool = False) -> None:
+    """Refuses a load that transformers completed with missing, unexpected or mismatched tensors (it would
+    initialise the missing ones randomly and only log a warning), but for the two loads where transformers means them:
 
-    raise_if_mismatched(
-        str(path),
-        missing=sorted(info.get("missing_keys") or []),
-        unexpected=sorted(info.get("unexpected_keys") or []),
-        wrong=sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or []),
-    )
+    - a checkpoint saved from another class than the one loaded (its ``config.architectures`` does not name it): a
+      base model or another task's head loaded under a new head (``AutoModelForSequenceClassification`` from a causal
+      LM's checkpoint ...). The tensors the checkpoint lacks are the new head's, initialised on rank 0, which
+      ``prepare`` then sends to every rank; the ones the model lacks are the old head's.
+    - ``ignore_mismatched_sizes=True``: tensors of another shape (a classifier with another number of labels) are
+      initialised anew, as asked.
+
+    A checkpoint saved from the very class loaded must match it: a tensor missing there is a damaged checkpoint."""
+    import logging
+
+    from .io.validate import listing, raise_if_mismatched
+
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    wrong = sorted(str(m[0] if isinstance(m, (tuple, list)) else m) for m in info.get("mismatched_keys") or [])
+    saved_from = list(getattr(getattr(model, "config", None), "architectures", None) or [])
+    loaded = type(model).__name__
+    new_head = bool(saved_from) and loaded not in saved_from
+    where = (f"its config.json names {loaded}, the class loaded" if saved_from
+             else "its config.json names no class it was saved from (`architectures`)")
+    hint = (f"A checkpoint must hold every tensor of the model when {where}: re-save the checkpoint, or load it "
+            "with the class it was saved from; for a head of another shape (another number of labels), pass "
+            "`ignore_mismatched_sizes=True`, as to transformers.")
+    raise_if_mismatched(str(path), missing=[] if new_head else missing, unexpected=[] if new_head else unexpected,
+                        wrong=[] if ignore_mismatched else wrong, hint=hint)
+    fresh = missing + (wrong if ignore_mismatched else [])
+    if fresh or unexpected:
+        logging.getLogger(__name__).warning(
+            "`accelerate_memsafe.from_pretrained`: %s was saved from %s and is loaded as %s: %d tensor(s) are newly "
+            "initialised on rank 0, which `prepare` sends to every rank (%s); %d of the checkpoint are not used (%s).",
+            path, "/".join(saved_from) or "an unnamed class", loaded, len(fresh), listing(fresh, 10), len(unexpected),
+            listing(unexpected, 10))

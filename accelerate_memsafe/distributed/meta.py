@@ -351,7 +351,7 @@ def meta_weights_failure(model: nn.Module, gap: str, exc: Exception) -> Exceptio
 
 
 def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int, world_size: int,
-                                 timeout_s: float) -> None:
+                                 timeout_s: float, broadcast_by_accelerate: bool = False) -> None:
     """Refuses, on every rank and before anything moves, a model that holds weights on ``meta`` on some rank
     when no enabled stage will fill them (``gap`` says why; ``None``: the stages will, nothing to check).
 
@@ -359,6 +359,9 @@ def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int
     ``cpu_ram_efficient_loading`` it broadcasts rank 0's weights but re-points the optimizer by data pointer,
     which is 0 for every meta tensor (training runs on the wrong tensors until DCP refuses the first
     ``save_state``); without it the first forward fails ("FSDP parameters should be materialized from meta").
+    The one such model it does take right is let through: ``cpu_ram_efficient_loading`` on, nothing on ``meta`` on
+    rank 0, at most one tensor on ``meta`` on every other rank (one data pointer 0 is unambiguous): what transformers
+    gives a rank other than 0 under that setting for a checkpoint that lacks one tensor (a new classification head).
 
     Args:
         model: The model passed to ``prepare``.
@@ -366,6 +369,8 @@ def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int
         rank, world_size: This process and the job (one ``all_gather_object`` when ``world_size > 1`` and
             ``gap`` is set: the same on every rank, since it depends on the configuration only).
         timeout_s: Deadline of that collective.
+        broadcast_by_accelerate: Whether accelerate's own ``prepare`` broadcasts rank 0's weights
+            (``cpu_ram_efficient_loading``).
 
     Raises:
         ConfigError: Naming the ranks, an example tensor, why nothing fills them, and the fixes.
@@ -383,7 +388,7 @@ def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int
         coll = Collectives("prepare_check", timeout_s=timeout_s)
         everyone = coll.all_gather_object(mine, what="exchange of which ranks hold weights on meta")
     bad = [(r, n, names) for r, n, names in everyone if n]
-    if not bad:
+    if not bad or broadcast_by_accelerate and all(r != 0 and n == 1 for r, n, _ in bad):
         return
     ranks = [r for r, _, _ in bad]
     r, n, names = bad[0]

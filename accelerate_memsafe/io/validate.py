@@ -616,7 +616,8 @@ def cast_may_lose(src: torch.dtype, dst: torch.dtype) -> bool:
     return torch.iinfo(dst).max < torch.iinfo(src).max or torch.iinfo(dst).min > torch.iinfo(src).min
 
 
-def check_shapes(infos: Mapping[str, TensorInfo], shapes: Mapping[str, tuple[int, ...]], *, where: str) -> None:
+def check_shapes(infos: Mapping[str, TensorInfo], shapes: Mapping[str, tuple[int, ...]], *, where: str,
+                 hint: str = "Load a checkpoint saved from the same model (same config).") -> None:
     """Raises for every tensor present in both the checkpoint and the model with another shape (names in
     only one of them are not looked at: weight conversions may rename them).
 
@@ -631,7 +632,7 @@ def check_shapes(infos: Mapping[str, TensorInfo], shapes: Mapping[str, tuple[int
     if wrong:
         raise CheckpointError(
             f"checkpoint {where} does not match the model: {len(wrong)} tensor(s) have another shape: "
-            f"{listing(wrong, 20)}. Load a checkpoint saved from the same model (same config)."
+            f"{listing(wrong, 20)}. {hint}"
         )
 
 

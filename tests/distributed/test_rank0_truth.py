@@ -91,3 +91,83 @@ def test_embeddings_resized_before_prepare_are_rank0s_on_every_rank(tiny_llama_d
     assert not torch.equal(stock, want), "stock kept rank 0's draw: the ranks no longer draw differently here"
     half = stock.shape[0] // 2
     assert torch.equal(stock[:half], want[:half]) and not torch.equal(stock[half:], want[half:])
+
+
+def _new_head_checkpoint(tmp_path, case):
+    """A tiny checkpoint saved from another class than the one loaded, dropout off (so one step is deterministic)."""
+    import transformers
+
+    if case == "bert_masked_lm_to_classifier":  # four new tensors: the pooler and the classifier
+        config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                         vocab_size=97, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        saved, loaded, kwargs = transformers.BertForMaskedLM, "BertForSequenceClassification", {"num_labels": 3}
+    elif case == "llama_causal_lm_to_classifier":  # one new tensor: `score.weight`
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=97, pad_token_id=0)
+        saved, loaded, kwargs = transformers.LlamaForCausalLM, "LlamaForSequenceClassification", {"num_labels": 3}
+    else:  # another number of labels on a classifier's own checkpoint, as transformers allows when asked
+        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=97, pad_token_id=0, num_labels=5)
+        saved, loaded = transformers.LlamaForSequenceClassification, "LlamaForSequenceClassification"
+        kwargs = {"num_labels": 3, "ignore_mismatched_sizes": True}
+    torch.manual_seed(0)
+    saved(config).save_pretrained(tmp_path)
+    return str(tmp_path), loaded, kwargs
+
+
+def _one_process_step(cls_name, model_dir, kwargs, weights):
+    """Rank 0's model (``weights``) stepped once in one process: what FSDP2 on 2 ranks with the same batch gives."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir, num_labels=kwargs["num_labels"])
+    model = getattr(transformers, cls_name)(config)
+    model.load_state_dict(weights, strict=False)  # the tied / shared names once each
+    assert all(torch.equal(model.get_parameter(n), w) for n, w in weights.items())
+    g = torch.Generator().manual_seed(7)
+    batch = {"input_ids": torch.randint(4, 90, (2, 10), generator=g), "labels": torch.tensor([0, 2])}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    model(**batch).loss.backward()
+    opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["bert_masked_lm_to_classifier", "llama_causal_lm_to_classifier",
+                                  "llama_classifier_to_another_label_count"])
+def test_a_head_the_checkpoint_lacks_is_rank0s_on_every_rank_and_trains(case, tmp_path):
+    # Fine-tuning a classifier from a base checkpoint: transformers initialises the head the checkpoint lacks at random,
+    # each process its own draw. With the plugin every rank holds rank 0's head, with either loader, with or without
+    # `cpu_ram_efficient_loading`, and one step gives the one-process step of rank 0's model bitwise. Stock without that
+    # setting mixes the ranks' draws; with it, transformers leaves the new head on `meta` on rank 1 and accelerate
+    # re-points the optimizer by data pointer, 0 for each of them: several new tensors leave rank 1's optimizer
+    # holding one of them in place of the others, while a single one maps right, which the plugin then lets through
+    # without its stages too (`MemSafePlugin(stages=[])`), and refuses, naming the tensors, where stock goes wrong.
+    model_dir, cls_name, kwargs = _new_head_checkpoint(tmp_path, case)
+    runs = ("plugin", "plugin_crel", "plugin_memsafe_loader", "stock", "stock_crel", "no_stages_crel")
+    results = run_on_ranks(w.prepare_new_head, 2, init_process_group=False, timeout=400, model_dir=model_dir,
+                           cls_name=cls_name, load_kwargs=kwargs, runs=runs)
+    new = "score.weight" if case.startswith("llama") else "classifier.weight"
+    several = case.startswith("bert")
+    for run in ("plugin", "plugin_crel", "plugin_memsafe_loader"):
+        want = results[0][run]["before"]
+        reference = _one_process_step(cls_name, model_dir, kwargs, want)
+        for rank, res in enumerate(results):
+            got = res[run]
+            assert got["optimizer_exact"], f"{run}, rank {rank}: the optimizer does not hold the prepared parameters"
+            assert got["after"].keys() == want.keys()
+            assert [n for n in want if not torch.equal(got["after"][n], want[n])] == [], f"{run}, rank {rank}"
+            assert [n for n in want if not torch.equal(got["stepped"][n], reference[n])] == [], f"{run}, rank {rank}"
+    assert results[1]["plugin_crel"]["on_meta"] == (4 if several else 1)  # transformers' new head on rank 1
+    stock = results[0]["stock"]
+    assert not torch.equal(stock["after"][new], stock["before"][new]), "stock kept rank 0's draw: no longer a mix"
+    crel = [results[r]["stock_crel"] for r in range(2)]
+    assert all(torch.equal(crel[r]["after"][n], crel[0]["before"][n]) for r in range(2) for n in crel[0]["before"])
+    assert crel[0]["optimizer_exact"] and crel[1]["optimizer_exact"] is not several
+    bare = [results[r]["no_stages_crel"] for r in range(2)]
+    if several:
+        for res in bare:
+            assert "`bert.pooler.dense.weight`" in res["error"] and "4 tensor(s) on rank 1" in res["error"], res
+    else:
+        for r in range(2):
+            assert bare[r]["optimizer_exact"]
+            assert all(torch.equal(bare[r][k][n], crel[r][k][n]) for k in ("after", "stepped") for n in bare[r][k])

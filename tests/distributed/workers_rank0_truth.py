@@ -149,3 +149,65 @@ def prepare_resized(rank: int, world_size: int, *, model_dir: str) -> dict[str, 
         AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
     return out
+
+
+def prepare_new_head(rank: int, world_size: int, *, model_dir: str, cls_name: str, load_kwargs: dict,
+                     runs: tuple[str, ...]) -> dict[str, Any]:
+    """A checkpoint that lacks the loaded class's head (a base or masked-LM checkpoint under a classification head, or
+    another number of labels with ``ignore_mismatched_sizes``), each rank drawing the new head from its own seed. Per
+    run (see ``_NEW_HEAD_RUNS``): rank 0's parameters before ``prepare``, the full parameters every rank holds after it
+    and after one AdamW step on a fixed batch, how many tensors were on ``meta``, whether the optimizer holds every
+    parameter of the prepared model exactly once, or the error."""
+    import accelerate
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import accelerate_memsafe
+    from accelerate_memsafe import _compat
+
+    cls = getattr(transformers, cls_name)
+    g = torch.Generator().manual_seed(7)
+    batch = {"input_ids": torch.randint(4, 90, (2, 10), generator=g), "labels": torch.tensor([0, 2])}
+    out: dict[str, Any] = {}
+    for run in runs:
+        stages, loader, crel = _NEW_HEAD_RUNS[run]
+        if stages == "stock":  # accelerate alone, its state switched to FSDP as the plugin does on CPU
+            fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=crel)
+            acc = accelerate.Accelerator(cpu=True, fsdp_plugin=fsdp_plugin)
+            _compat.promote_state_to_fsdp(fsdp_plugin)
+        else:
+            acc, _ = _accelerator({"stages": stages}, efficient=crel)
+        torch.manual_seed(1000 + rank)
+        try:
+            model = (cls.from_pretrained(model_dir, **load_kwargs) if loader == "transformers"
+                     else accelerate_memsafe.from_pretrained(cls, model_dir, **load_kwargs))
+            before = {n: p.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None
+            on_meta = sum(p.is_meta for p in model.parameters())
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, opt = acc.prepare(model, opt)
+            after = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+            held = sorted(id(p) for group in opt.param_groups for p in group["params"])
+            model.train()
+            model(**batch).loss.backward()
+            opt.step()
+            stepped = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+            out[run] = {"before": before, "after": after, "stepped": stepped, "on_meta": on_meta,
+                        "optimizer_exact": held == sorted(id(p) for p in model.parameters())}
+        except Exception as exc:  # noqa: BLE001 - the test reads which runs refuse, and how
+            out[run] = {"error": f"{type(exc).__name__}: {exc}"}
+        del acc
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return out
+
+
+#: run -> (plugin stages (``None``: the default; ``"stock"``: accelerate without the plugin), loader, crel).
+_NEW_HEAD_RUNS = {
+    "plugin": (None, "transformers", False),
+    "plugin_crel": (None, "transformers", True),
+    "plugin_memsafe_loader": (None, "memsafe", True),
+    "stock": ("stock", "transformers", False),
+    "stock_crel": ("stock", "transformers", True),
+    "no_stages_crel": ([], "transformers", True),
+}
