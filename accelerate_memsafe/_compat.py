@@ -172,7 +172,48 @@ def fsdp2_wrap(
         is_main_process=is_main_process,
         device=device,
     )
-    return fsdp2_prepare_model(view, model)
+    with _no_input_embeddings_where_undefined(model):
+        return fsdp2_prepare_model(view, model)
+
+
+@contextlib.contextmanager
+def _no_input_embeddings_where_undefined(model: torch.nn.Module) -> Iterator[None]:
+    """accelerate's FSDP2 wrapping (1.15) asks ``model.get_input_embeddings()`` for the embedding to shard in a group of
+    its own, and expects ``None`` from a model that has none; transformers' default raises ``NotImplementedError``
+    there instead (speech encoders: wav2vec2, HuBERT, WavLM ...), which fails stock ``prepare``. Inside this
+    context such a model answers ``None`` (an instance attribute, removed after), so it is wrapped as one without an
+    input embedding.
+
+    Example:
+        >>> class Speech(torch.nn.Linear):
+        ...     def get_input_embeddings(self):
+        ...         raise NotImplementedError("no embedding")
+        >>> m = Speech(2, 2)
+        >>> with _no_input_embeddings_where_undefined(m):
+        ...     print(m.get_input_embeddings())
+        None
+        >>> "get_input_embeddings" in vars(m)
+        False
+    """
+    ask = getattr(model, "get_input_embeddings", None)
+    try:
+        if ask is not None:
+            ask()
+    except NotImplementedError:
+        pass
+    else:
+        yield
+        return
+    had = "get_input_embeddings" in vars(model)
+    saved = vars(model).get("get_input_embeddings")
+    object.__setattr__(model, "get_input_embeddings", lambda: None)
+    try:
+        yield
+    finally:
+        if had:
+            object.__setattr__(model, "get_input_embeddings", saved)
+        else:
+            del model.__dict__["get_input_embeddings"]
 
 
 def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device | None = None) -> Any:

@@ -110,6 +110,37 @@ def tensor_subclass_parameters(model: nn.Module) -> list[str]:
     return out
 
 
+def refuse_scalar_parameters(model: nn.Module, ignored_modules: Any = None) -> None:
+    """Refuses, before anything moves, a model with a parameter of no dimension (``shape == ()``: CLIP's
+    ``logit_scale``) that ``fully_shard`` would manage: torch refuses it in ``fully_shard`` ("doesn't support scalar
+    parameters"), which runs after ``meta_placement`` has put the weights on ``meta``. The answer depends on the
+    model's structure only, the same on every rank. Parameters of ``ignored_modules`` (as the plugin gives them,
+    modules or a pattern) stay whole on every rank, and may be scalars.
+
+    Raises:
+        ConfigError: Naming the parameters, with the fixes.
+
+    Example:
+        >>> refuse_scalar_parameters(torch.nn.Linear(2, 2))
+    """
+    if not any(p.ndim == 0 for p in walk.parameters(model)):
+        return  # the usual answer, one look at each parameter
+    from .._compat import ignored_modules as resolve
+    from ..errors import ConfigError
+
+    kept = {id(p) for m in resolve(ignored_modules, model) or () for p in m.parameters()}
+    scalars = [canonical_name(n) for n, p in walk.named_parameters(model) if p.ndim == 0 and id(p) not in kept]
+    if scalars:
+        raise ConfigError(
+            f"`prepare`: FSDP2's `fully_shard` cannot shard a parameter of no dimension (shape []): "
+            f"{', '.join(f'`{n}`' for n in scalars[:5])}; torch refuses it (\"fully_shard doesn't support scalar "
+            "parameters\"), as it does without the plugin. Raised on every rank before `prepare` changed anything. "
+            "HINT: make it 1-D before `prepare` (`model.logit_scale = torch.nn.Parameter(model.logit_scale.detach()"
+            ".reshape(1))`; the checkpoints then hold shape [1]), keep the module that holds it whole on every rank "
+            "with `FullyShardedDataParallelPlugin(ignored_modules=...)` (not the root), or train with DDP."
+        )
+
+
 def agree_on_structure(model: nn.Module, coll: Collectives, *, check_finite: bool = False) -> list[TensorMeta]:
     """Checks that every rank holds the same model as rank 0 before anything is modified.
 

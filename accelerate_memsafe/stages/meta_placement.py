@@ -26,6 +26,7 @@ from ..distributed.meta import (
     checkpoint_source_names,
     move_to_meta,
     parallelism_blocks_meta_placement,
+    refuse_scalar_parameters,
 )
 from ..distributed.source import Rank0Source
 from ..memory.estimate import pagemap_scan_bytes
@@ -123,6 +124,7 @@ class MetaPlacementStage(Stage):
         return in_place_claim(ctx.model, ctx.rank, mixed_precision=ctx.mixed_precision)
 
     def run(self, ctx: HookContext) -> StageOutcome:
+        refuse_scalar_parameters(ctx.model, getattr(ctx.fsdp_plugin, "ignored_modules", None))
         # kept past this stage, the list would keep every original weight alive through `shard` (freed only when the
         # hook's context goes, not when fully_shard has replaced them): only its length stays
         counted = len(kept) if (kept := self._kept_parameters(ctx, release=True)) is not None else None

@@ -211,6 +211,9 @@ def render(cells: list[Cell], families: list[Family], dropped: dict[str, str], *
           if "cp" in settings else []),
         f"Produced by `{command}` (see Timings; `--families llama,t5` runs a subset). The default test suite",
         "runs a reduced set that covers every setting and every family kind (`tests/conformance/test_conformance.py`).",
+        "Models outside the language-model classes drawn from here (a vision classifier, a CTC speech encoder with a",
+        "weight-norm parametrization, two-tower contrastive models, an encoder with tied embeddings) are checked against",
+        "a one-process step under `transformer_based_wrap` in `tests/distributed/test_architectures.py`.",
         "",
         f"torch {torch.__version__}, accelerate {accelerate.__version__}, transformers {transformers.__version__}, "
         f"Python {platform.python_version()}",
