@@ -525,7 +525,8 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def check_model_file(path: str | os.PathLike, model: torch.nn.Module, *, infos: Mapping[str, TensorInfo] | None = None) -> None:
+def check_model_file(path: str | os.PathLike, model: torch.nn.Module, *, infos: Mapping[str, TensorInfo] | None = None,
+                     strict: bool = True) -> None:
     """Checks a ``model.safetensors`` written by ``save_state`` against the model it will be loaded into:
     the file's integrity (:func:`check_safetensors_file`), missing / unexpected / wrongly shaped tensors
     (a tied alias saved once counts as present), and dtype casts that would lose data (only tensors whose
@@ -536,6 +537,9 @@ def check_model_file(path: str | os.PathLike, model: torch.nn.Module, *, infos: 
         model: The model (DDP / compiled wrappers are looked through; FSDP2 DTensors are compared by their
             global shape).
         infos: The file's header, if already read.
+        strict: ``False``: missing and unexpected tensors are let through, as ``load_state(..., strict=False)``
+            lets ``load_state_dict`` take them; shapes and casts are still checked (``load_state_dict`` refuses
+            another shape also then).
 
     Raises:
         CheckpointError: Naming the file and every offending tensor.
@@ -560,12 +564,17 @@ def check_model_file(path: str | os.PathLike, model: torch.nn.Module, *, infos: 
         for n, info in infos.items()
         if n in state and tuple(info.shape) != tuple(state[n].shape)
     ]
+    if not strict:
+        missing, unexpected = [], []
     raise_if_mismatched(f"file {path}", missing=missing, unexpected=unexpected, wrong=wrong,
-                        hint="Nothing was loaded. " + _SAME_MODEL_HINT)
-    check_casts(infos, {n: state[n].dtype for n in infos})
+                        hint="Nothing was loaded. " + _SAME_MODEL_HINT + (
+                            " To load the tensors the model and the file share, pass `strict=False`, as to "
+                            "accelerate's `load_state`." if strict and not wrong else ""))
+    check_casts(infos, {n: state[n].dtype for n in infos if n in state})
 
 
-def check_accelerate_checkpoint(directory: str | os.PathLike, models: Iterable[torch.nn.Module], *, rank: int) -> None:
+def check_accelerate_checkpoint(directory: str | os.PathLike, models: Iterable[torch.nn.Module], *, rank: int,
+                                strict: bool = True) -> None:
     """Everything ``load_state`` reads that can be checked before anything is modified: each
     ``model[_i].safetensors`` against its model (:func:`check_model_file`) and this rank's
     ``random_states_<rank>.pkl`` (:func:`load_rng_states`; accelerate itself would log a refused file at
@@ -575,6 +584,8 @@ def check_accelerate_checkpoint(directory: str | os.PathLike, models: Iterable[t
         directory: The checkpoint directory.
         models: The prepared models, in ``prepare`` order.
         rank: This process's rank.
+        strict: ``load_state``'s ``strict`` (passed on to ``load_state_dict``): ``False`` lets missing and
+            unexpected tensors through.
 
     Raises:
         CheckpointError: As the checks above.
@@ -586,7 +597,7 @@ def check_accelerate_checkpoint(directory: str | os.PathLike, models: Iterable[t
     for i, model in enumerate(models):
         path = directory / (f"model_{i}.safetensors" if i else "model.safetensors")
         if path.is_file():
-            check_model_file(path, model)
+            check_model_file(path, model, strict=strict)
     rng = directory / f"random_states_{rank}.pkl"
     if rng.is_file():
         load_rng_states(rng)

@@ -159,7 +159,7 @@ class AtomicCheckpointStage(Stage):
         if coll is not None:
             coll.barrier(what=f"barrier before loading {path}")
         marker = atomic.check_loadable(path, world_size=ctx.world_size)
-        validate.check_accelerate_checkpoint(path, ctx.models, rank=ctx.rank)
+        validate.check_accelerate_checkpoint(path, ctx.models, rank=ctx.rank, strict=ctx.kwargs.get("strict", True) is not False)
         ctx.directory = str(path)
         saved = atomic.saved_world_size(path, marker)
         if saved is None or saved == ctx.world_size:

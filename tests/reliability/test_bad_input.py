@@ -539,3 +539,83 @@ def test_from_pretrained_refuses_a_partial_checkpoint(pretrained, tmp_path):
     with pytest.raises(CheckpointError, match=r"\.memsafe-tmp-ckpt is an incomplete checkpoint"):
         from_pretrained(AutoModelForCausalLM, temp)
     assert tree_digest(tmp_path) == before
+
+
+def _grown_model(acc_factory, extra: bool):
+    """The tiny Llama (seed 1) with, when ``extra``, a new frozen module the checkpoint lacks, prepared with AdamW over
+    the trainable parameters (the ones the checkpoint's optimizer state covers)."""
+    from accelerate_memsafe.models import build_llama
+
+    acc = acc_factory()
+    model = build_llama("tiny", seed=1)
+    if extra:
+        model.extra_head = torch.nn.Linear(4, 4)
+        model.extra_head.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def test_load_state_with_strict_false_loads_what_stock_loads(saved_state, tmp_path):
+    # `load_state(dir, strict=False)` is passed to `load_state_dict`, which then takes a model with tensors the
+    # checkpoint lacks (a module added since the save). Before, the plugin refused it ("2 missing from the
+    # checkpoint"), where stock accelerate loads it; now both give the same model and optimizer, bitwise
+    import accelerate
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accelerate_memsafe import Accelerator
+
+    got = {}
+    for path, factory in (("stock", lambda: accelerate.Accelerator(cpu=True)),
+                          ("plugin", lambda: Accelerator(plugins=[MemSafePlugin(progress=False)], cpu=True))):
+        acc, model, opt = _grown_model(factory, extra=True)
+        acc.load_state(str(_copy(saved_state, tmp_path, f"ckpt-{path}")), strict=False)
+        got[path] = (model_snapshot(model), optimizer_snapshot(opt))
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert_same(got["stock"][0], got["plugin"][0], "model")
+    assert_same(got["stock"][1], got["plugin"][1], "optimizer")
+    from safetensors.torch import load_file
+
+    saved = load_file(saved_state / "model.safetensors")  # every tensor the file holds is the model's now
+    model = got["plugin"][0]
+    assert [n for n, t in saved.items() if not torch.equal(model.get(f"param:{n}", model.get(f"buffer:{n}")), t)] == []
+    assert "param:extra_head.weight" in model and "extra_head.weight" not in saved
+
+
+def test_load_state_refuses_missing_tensors_by_default_and_names_strict_false(saved_state, tmp_path):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accelerate_memsafe import Accelerator
+
+    acc, model, opt = _grown_model(lambda: Accelerator(plugins=[MemSafePlugin(progress=False)], cpu=True), extra=True)
+    before = (model_snapshot(model), optimizer_snapshot(opt))
+    try:
+        with pytest.raises(CheckpointError, match=r"2 missing from the checkpoint: \['extra_head.bias', "
+                                                  r"'extra_head.weight'\].*pass `strict=False`"):
+            acc.load_state(str(_copy(saved_state, tmp_path)))
+        assert_same(before[0], model_snapshot(model), "model")
+        assert_same(before[1], optimizer_snapshot(opt), "optimizer")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def test_load_state_with_strict_false_still_refuses_another_shape(saved_state, tmp_path):
+    # `load_state_dict(strict=False)` raises for another shape too: the plugin refuses it before anything is modified
+    d = _copy(saved_state, tmp_path)
+    _model_file_damage("shape")(d)
+    corrupt.remark(d)
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accelerate_memsafe import Accelerator
+
+    acc, model, opt = _grown_model(lambda: Accelerator(plugins=[MemSafePlugin(progress=False)], cpu=True), extra=False)
+    before = model_snapshot(model)
+    try:
+        with pytest.raises(CheckpointError, match=r"`lm_head.weight`: file \[255, 64\], model \[256, 64\]"):
+            acc.load_state(str(d), strict=False)
+        assert_same(before, model_snapshot(model), "model")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
