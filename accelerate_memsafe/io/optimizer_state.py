@@ -140,6 +140,8 @@ class OptimizerLoadPlan:
     names: dict[int, str] = field(default_factory=dict)
     structure: Any = None
     pin: bool = False
+    #: ``False``: the user passed ``load_state(load_kwargs={"weights_only": False})`` (trusts the file's pickles)
+    weights_only: bool = True
     #: ``(group index, key, position in a tuple/list or None, saved meta tensor, destination device)``
     group_tensors: list[tuple[int, str, int | None, torch.Tensor, torch.device]] = field(default_factory=list)
 
@@ -261,28 +263,48 @@ def _check_shape(source: Path, fqn: str, key: str, saved_shape: tuple[int, ...],
         )
 
 
-def _load_structure(path: Path) -> Any:
+def _load_structure(path: Path, weights_only: bool = True) -> Any:
     """The saved state dict with its tensors on ``meta`` (their file offsets recorded), or, where torch records no
     offsets, with its tensors on the file's mapping (nothing read until a tensor is copied)."""
-    structure = _torch_load(path, map_location="meta")
+    structure = _torch_load(path, weights_only, map_location="meta")
     if any(t.untyped_storage().nbytes() and _compat.checkpoint_file_offset(t) is None for t in tensors_in(structure)):
-        structure = _torch_load(path, map_location="cpu", mmap=True)
+        structure = _torch_load(path, weights_only, map_location="cpu", mmap=True)
     return structure
 
 
-def _torch_load(path: Path, **kwargs: Any) -> Any:
+#: How to load a file whose pickles need more than plain data, as accelerate's ``load_state`` takes it.
+TRUST_HINT = ("If you trust the file's source, `load_state(..., load_kwargs={'weights_only': False})` loads it, as it "
+              "does without the plugin")
+
+
+def _unpickle(what: str, load: Any, *, weights_only: bool) -> Any:
+    """``load(weights_only=...)``: with ``weights_only`` (the default), plain data and numpy scalars only
+    (:func:`~accelerate_memsafe.io.validate.numpy_scalar_globals`), a refused global raising
+    :class:`CheckpointError` naming ``what``; without it, as the user asked, anything."""
     import pickle
 
+    from .validate import numpy_scalar_globals
+
+    if not weights_only:
+        return load(weights_only=False)
     try:
-        return torch.load(path, weights_only=True, **kwargs)
+        with torch.serialization.safe_globals(numpy_scalar_globals()):
+            return load(weights_only=True)
     except pickle.UnpicklingError as exc:
         # weights_only refused a global: the file asks to run code (or holds objects we never load)
         detail = message_line(exc, prefer=("GLOBAL", "global"))
         raise CheckpointError(
-            f"optimizer file {path} was refused: it is not a plain tensor checkpoint and loading it would need "
-            f"to import or run code ({detail}). Nothing was loaded and nothing was executed; load checkpoints "
-            "only from sources you trust, or restore the file from an earlier checkpoint."
+            f"{what} was refused: it is not a plain tensor checkpoint and loading it would need to import or run code "
+            f"({detail}). Nothing was loaded and nothing was executed; load checkpoints only from sources you trust, or "
+            f"restore the file from an earlier checkpoint. {TRUST_HINT}."
         ) from None
+
+
+def _torch_load(path: Path, weights_only: bool = True, **kwargs: Any) -> Any:
+    try:
+        return _unpickle(f"optimizer file {path}", lambda **w: torch.load(path, **w, **kwargs), weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"optimizer file {path} is truncated or corrupt and cannot be read ({type(exc).__name__}: "
@@ -314,6 +336,7 @@ def plan_optimizer_load(
     *,
     model: torch.nn.Module | None = None,
     offload: bool = False,
+    weights_only: bool = True,
 ) -> OptimizerLoadPlan:
     """Checks a saved optimizer state against ``optimizer`` and plans reading it in place. Modifies nothing.
 
@@ -322,6 +345,9 @@ def plan_optimizer_load(
         source: From :func:`optimizer_source`.
         model: The model of the optimizer (needed for FSDP2 checkpoints, which name parameters by FQN).
         offload: Put state tensors on CPU (pinned when CUDA is present) instead of the parameter's device.
+        weights_only: ``False`` where the user passed ``load_kwargs={"weights_only": False}`` to ``load_state``:
+            pickled entries may then hold any object, as accelerate loads them. Otherwise plain data and numpy
+            scalars only.
 
     Returns:
         The plan for :func:`execute_optimizer_load`.
@@ -336,9 +362,9 @@ def plan_optimizer_load(
     kind, path = source
     names = parameter_names(model) if model is not None else {}
     pin = offload and torch.cuda.is_available()
-    plan = OptimizerLoadPlan(optimizer=optimizer, kind=kind, source=path, names=names, pin=pin)
+    plan = OptimizerLoadPlan(optimizer=optimizer, kind=kind, source=path, names=names, pin=pin, weights_only=weights_only)
     if kind == "torch_file":
-        structure = _load_structure(path)
+        structure = _load_structure(path, weights_only)
         if not isinstance(structure, Mapping) or "state" not in structure or "param_groups" not in structure:
             raise CheckpointError(f"{path} is not an optimizer state dict (expected keys `state` and `param_groups`).")
         groups = structure["param_groups"]
@@ -635,12 +661,14 @@ def _dcp_read(plan: OptimizerLoadPlan, targets: list[torch.Tensor]) -> tuple[int
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-        """DCP reads pickled (non-tensor) entries with ``weights_only=False``; we never run pickled code."""
+        """DCP reads pickled (non-tensor) entries with ``weights_only=False``; we run no pickled code unless the
+        user said they trust the file (``plan.weights_only``)."""
 
         def load_bytes(self, read_item, value):
             value.seek(0)
-            loaded = torch.load(value, weights_only=True)
             fqn = read_item.dest_index.fqn
+            loaded = _unpickle(f"optimizer checkpoint {plan.source} (entry `{fqn}`)",
+                               lambda **w: torch.load(value, **w), weights_only=plan.weights_only)
             if self.flatten_state_dict and fqn in getattr(self, "mappings", {}):
                 # into the nested template, as DCP's own load_bytes does (the flat copy is not read back): the
                 # groups' hyper-parameters (a scheduled `lr`) must come from the checkpoint

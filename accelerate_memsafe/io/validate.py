@@ -445,6 +445,28 @@ def rng_state_globals() -> list[Any]:
     return out
 
 
+def numpy_scalar_globals() -> list[Any]:
+    """The globals a pickled numpy scalar needs (an optimizer's ``lr`` computed with numpy: ``np.float64(3e-4)``):
+    ``scalar`` rebuilds it from its dtype and its bytes, data only; ``numpy.dtype`` and numpy's dtype classes.
+    torch's ``weights_only`` load refuses them by default.
+
+    Example:
+        >>> import io, numpy as np
+        >>> buf = io.BytesIO(); torch.save({"lr": np.float64(3e-4)}, buf); _ = buf.seek(0)
+        >>> with torch.serialization.safe_globals(numpy_scalar_globals()):
+        ...     float(torch.load(buf, weights_only=True)["lr"])
+        0.0003
+    """
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import scalar
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import scalar  # type: ignore[no-redef]
+    classes = [c for c in vars(getattr(np, "dtypes", object)).values() if isinstance(c, type) and issubclass(c, np.dtype)]
+    return [scalar, np.dtype, *classes]
+
+
 def load_rng_states(path: str | os.PathLike) -> dict[str, Any]:
     """Reads accelerate's ``random_states_<rank>.pkl`` without ever running code from it.
 

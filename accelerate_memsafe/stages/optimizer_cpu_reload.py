@@ -51,7 +51,8 @@ class OptimizerCpuReloadStage(Stage):
             if source is None:
                 return skipped(f"no accelerate optimizer file for optimizer {i} in {ctx.directory}; accelerate loads it")
             model = ctx.models[i] if i < len(ctx.models) else None
-            plans.append(plan_optimizer_load(optimizer, source, model=model, offload=ctx.options.optimizer_offload))
+            plans.append(plan_optimizer_load(optimizer, source, model=model, offload=ctx.options.optimizer_offload,
+                                             weights_only=ctx.scratch.get("load_kwargs", {}).get("weights_only") is not False))
         ctx.scratch["optimizer_plans"] = plans
         ctx.scratch["upstream_skips_optimizers"] = True
         return ran(

@@ -619,3 +619,90 @@ def test_load_state_with_strict_false_still_refuses_another_shape(saved_state, t
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+
+
+def _resume_with(acc_factory, directory, *, lr, extra_group_entry=None, load_kwargs=None):
+    """A fresh model and AdamW (``lr``; ``extra_group_entry`` added to its group), ``load_state(directory)``; the model
+    and optimizer as loaded."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accelerate_memsafe.models import build_llama
+
+    acc = acc_factory()
+    model = build_llama("tiny", seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if extra_group_entry:
+        opt.param_groups[0].update(extra_group_entry)
+    model, opt = acc.prepare(model, opt)
+    try:
+        acc.load_state(str(directory), load_kwargs=load_kwargs)
+        return model_snapshot(model), optimizer_snapshot(opt), opt.param_groups[0]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def _state_with(tmp_path, *, lr, extra_group_entry=None):
+    """A checkpoint saved by the plugin after one step of AdamW with ``lr`` (and ``extra_group_entry`` in its group)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from accelerate_memsafe import Accelerator
+    from accelerate_memsafe.models import build_llama
+
+    acc = Accelerator(plugins=[MemSafePlugin(progress=False)], cpu=True)
+    model = build_llama("tiny", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    if extra_group_entry:
+        opt.param_groups[0].update(extra_group_entry)
+    model, opt = acc.prepare(model, opt)
+    _train_step(acc, model, opt, 0)
+    acc.save_state(str(tmp_path / "saved"))
+    acc.wait_for_everyone()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    return tmp_path / "saved"
+
+
+def _stock():
+    import accelerate
+
+    return accelerate.Accelerator(cpu=True)
+
+
+def _plugin():
+    from accelerate_memsafe import Accelerator
+
+    return Accelerator(plugins=[MemSafePlugin(progress=False)], cpu=True)
+
+
+def test_a_numpy_learning_rate_resumes_as_stock_resumes_it_with_weights_only_false(tmp_path):
+    # a learning rate computed with numpy is pickled as a numpy scalar, which torch's `weights_only` load refuses:
+    # stock accelerate loads the optimizer only with `load_kwargs={"weights_only": False}`; the plugin reads numpy
+    # scalars as data (no code runs) and loads it either way, bitwise what stock loads
+    import numpy as np
+
+    d = _state_with(tmp_path, lr=np.float64(1e-3))
+    want = _resume_with(_stock, d, lr=np.float64(5e-2), load_kwargs={"weights_only": False})
+    for load_kwargs in (None, {"weights_only": False}):
+        got = _resume_with(_plugin, d, lr=np.float64(5e-2), load_kwargs=load_kwargs)
+        assert_same(want[0], got[0], "model")
+        assert_same(want[1], got[1], "optimizer")
+        assert type(got[2]["lr"]) is np.float64 and got[2]["lr"] == 1e-3
+    with pytest.raises(Exception, match="Weights only load failed"):  # stock without it
+        _resume_with(_stock, d, lr=np.float64(5e-2))
+
+
+def test_other_objects_in_the_optimizer_file_load_only_when_the_user_says_they_trust_it(tmp_path):
+    # any other global (here `fractions.Fraction`, a class torch does not allow-list) is refused by default, before
+    # anything is modified, and the message names the opt-in; with `load_kwargs={"weights_only": False}` the plugin
+    # loads what stock loads with it, bitwise
+    from fractions import Fraction
+
+    d = _state_with(tmp_path, lr=1e-3, extra_group_entry={"ratio": Fraction(1, 3)})
+    _load_refused(d, tmp_path, r"optimizer.bin was refused: .*fractions.Fraction.*load_kwargs=\{'weights_only': False\}")
+    want = _resume_with(_stock, d, lr=5e-2, extra_group_entry={"ratio": Fraction(1, 2)},
+                        load_kwargs={"weights_only": False})
+    got = _resume_with(_plugin, d, lr=5e-2, extra_group_entry={"ratio": Fraction(1, 2)}, load_kwargs={"weights_only": False})
+    assert_same(want[0], got[0], "model")
+    assert_same(want[1], got[1], "optimizer")
+    assert got[2]["ratio"] == Fraction(1, 3) and got[2]["lr"] == 1e-3
