@@ -89,3 +89,21 @@ def test_training_checkpoints_best_model_and_resume_match_the_stock_trainer(suit
         optimizer = dict(resumed["reloads"])["optimizer_cpu_reload"]
         assert optimizer["format"] == ("torch_file" if name == "trainer" else "dcp")
         assert optimizer["bytes_read"] == optimizer["state_bytes"] > 0 and optimizer["reclaimed_device_bytes"] == 0
+
+
+def test_trl_dpo_with_its_reference_model_trains_as_the_stock_trainer(tmp_path):
+    # DPO's reference model is TRL's own: loaded from the policy's path on every rank and sharded with TRL's
+    # `fully_shard`, outside `prepare`. With the plugin and the policy from `accelerate_memsafe.from_pretrained`
+    # (rank 1 on meta), the losses and the trained weights are bitwise the stock Trainer's (transformers' load)
+    from accelerate_memsafe.models import save_llama
+
+    model_dir = str(save_llama(tmp_path / "llama-small", "small"))
+    runs = {plugin: run_on_ranks(w.dpo_run, 2, init_process_group=False, timeout=300, model_dir=model_dir,
+                                 out=str(tmp_path / f"out-{plugin}"), plugin=plugin)
+            for plugin in (False, True)}
+    stock = runs[False][0]
+    assert stock["ref_sharded"] and len(stock["losses"]) == 3
+    for rank, res in enumerate(runs[True]):
+        assert res["ref_sharded"]
+        assert res["losses"] == stock["losses"], rank
+        assert [n for n, t in stock["params"].items() if not torch.equal(res["params"][n], t)] == [], rank

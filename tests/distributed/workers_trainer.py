@@ -316,3 +316,35 @@ def trainer_suite(rank: int, world_size: int, *, big_dir: str, small_dir: str, o
         res[name]["resumed"] = timed(f"{name}-resumed", _train, f"{out}/{name}-resumed", small_dir, plugin=True, sft=sft,
                                      resume=f"{out}/{name}-moved/checkpoint-2", launch=launch)
     return res
+
+
+def dpo_run(rank: int, world_size: int, *, model_dir: str, out: str, plugin: bool) -> dict[str, Any]:
+    """TRL's ``DPOTrainer`` (full fine-tuning; TRL loads the reference model from the policy's path on every rank and
+    shards it with its own ``fully_shard``) with :class:`MemSafeTrainerMixin`, FSDP2 from the arguments, 3 steps.
+    ``plugin``: ``MemSafePlugin()`` and the policy from ``accelerate_memsafe.from_pretrained`` (rank 1 on meta);
+    else ``MemSafePlugin(stages=[])`` and transformers' load on every rank. Returns the losses and the full trained
+    parameters."""
+    import datasets
+    import torch
+    from trl import DPOConfig, DPOTrainer
+
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.integrations import MemSafeTrainerMixin
+
+    args = DPOConfig(output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, report_to=[],
+                     disable_tqdm=True, logging_steps=1, seed=0, data_seed=0, save_strategy="no", bf16=False,
+                     max_length=24, **FSDP2_ARGS)
+    g = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{int(i)}" for i in torch.randint(4, 200, (n,), generator=g))
+
+    rows = [{"prompt": words(5), "chosen": " " + words(4), "rejected": " " + words(4)} for _ in range(8)]
+    model = _load(model_dir, plugin)
+    cls = type("MemSafeDPOTrainer", (MemSafeTrainerMixin, DPOTrainer), {})
+    trainer = cls(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=_tokenizer(),
+                  memsafe_plugin=MemSafePlugin() if plugin else MemSafePlugin(stages=[]))
+    trainer.train()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "params": {n: _full(p) for n, p in trainer.model.named_parameters()},
+            "ref_sharded": trainer.ref_model is not None and type(trainer.ref_model).__name__.startswith("FSDP")}
