@@ -19,7 +19,7 @@ from .errors import (
 )
 from .integrations.peft import reload_adapter
 from .io.offloaded_save import save_offloaded
-from .loading import from_pretrained
+from .loading import from_config, from_pretrained
 from .memory.report import MemoryReport, StageRecord
 from .pipeline import HOOKS, Stage
 from .plugin import MemSafePlugin
@@ -44,6 +44,7 @@ __all__ = [
     "StageError",
     "StageRecord",
     "__version__",
+    "from_config",
     "from_pretrained",
     "save_offloaded",
     "reload_adapter",

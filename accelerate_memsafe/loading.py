@@ -51,18 +51,7 @@ def from_pretrained(model_cls: Any, path: str | os.PathLike, **kwargs: Any) -> t
         >>> # model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, "ckpt/", dtype=torch.bfloat16)
         >>> # model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     """
-    import torch.distributed as dist
-
-    env = launch_env()
-    initialized = dist.is_available() and dist.is_initialized()
-    if env.world_size > 1 and not initialized:
-        raise ConfigError(
-            f"`accelerate_memsafe.from_pretrained` was called on rank {env.rank} of a {env.world_size}-process launch "
-            "before the process group exists, so it cannot tell rank 0 from the others. HINT: build the "
-            "`Accelerator(...)` first, then call `from_pretrained`."
-        )
-    rank = dist.get_rank() if initialized else 0
-    if rank == 0:
+    if _rank("from_pretrained") == 0:
         if os.path.isdir(path):
             _check_checkpoint(model_cls, path, kwargs)
         want_info = kwargs.pop("output_loading_info", False)
@@ -75,6 +64,75 @@ def from_pretrained(model_cls: Any, path: str | os.PathLike, **kwargs: Any) -> t
             object.__setattr__(model, "_memsafe_checkpoint", os.fspath(path))
         return model
     return _build_on_meta(model_cls, path, kwargs)
+
+
+def from_config(model_cls: Any, config: Any, **kwargs: Any) -> torch.nn.Module:
+    """Builds a transformers model from its config (training from scratch) for an FSDP2 ``prepare`` that
+    initialises the weights on rank 0 only.
+
+    Rank 0 builds the model as transformers does (``AutoModelForCausalLM.from_config(config, **kwargs)``, or
+    ``LlamaForCausalLM._from_config(config, **kwargs)`` for a model class): real weights, randomly initialised. Every
+    other rank builds the same model with its parameters on ``meta`` (no memory; non-persistent buffers real), so
+    that a node does not hold one full model per process; ``prepare`` with the plugin then sends each rank its shard
+    of rank 0's initialisation. Without it, each process initialises its own full copy, and without a common seed
+    stock FSDP2 keeps each rank's rows of its own draw.
+
+    Args:
+        model_cls: Any transformers model class or auto class.
+        config: The model's config (``AutoConfig.for_model(...)``, ``LlamaConfig(...)`` ...), the same on every rank.
+        **kwargs: Passed to ``from_config`` / ``_from_config`` on every rank (``dtype``, ``attn_implementation``,
+            ``trust_remote_code`` for an auto class).
+
+    Returns:
+        The model: initialised on rank 0, on ``meta`` elsewhere. Pass it to ``accelerator.prepare`` before
+        using it.
+
+    Raises:
+        ConfigError: When called under a multi-process launch before the process group exists (build
+            the ``Accelerator`` first).
+
+    Example:
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        ...                      vocab_size=32)
+        >>> model = from_config(AutoModelForCausalLM, config)  # one process: rank 0, real weights
+        >>> model.lm_head.weight.is_meta, model.training
+        (False, True)
+    """
+    if _rank("from_config") == 0:
+        return _from_config(model_cls, config, kwargs)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # buffers real: computed here as on rank 0
+        model = _from_config(model_cls, config, kwargs)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # init_empty_weights re-creates parameters, which unties them
+    return model
+
+
+def _from_config(model_cls: Any, config: Any, kwargs: dict[str, Any]) -> torch.nn.Module:
+    if hasattr(model_cls, "from_config") and not hasattr(model_cls, "_from_config"):
+        return model_cls.from_config(config, **kwargs)  # an auto class
+    return model_cls._from_config(config, **kwargs)
+
+
+def _rank(caller: str) -> int:
+    """This process's rank, once the process group exists under a multi-process launch.
+
+    Raises:
+        ConfigError: Under a multi-process launch before the process group exists.
+    """
+    import torch.distributed as dist
+
+    env = launch_env()
+    initialized = dist.is_available() and dist.is_initialized()
+    if env.world_size > 1 and not initialized:
+        raise ConfigError(
+            f"`accelerate_memsafe.{caller}` was called on rank {env.rank} of a {env.world_size}-process launch "
+            "before the process group exists, so it cannot tell rank 0 from the others. HINT: build the "
+            f"`Accelerator(...)` first, then call `{caller}`."
+        )
+    return dist.get_rank() if initialized else 0
 
 
 def _build_on_meta(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> torch.nn.Module:

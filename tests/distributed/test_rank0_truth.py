@@ -171,3 +171,27 @@ def test_a_head_the_checkpoint_lacks_is_rank0s_on_every_rank_and_trains(case, tm
         for r in range(2):
             assert bare[r]["optimizer_exact"]
             assert all(torch.equal(bare[r][k][n], crel[r][k][n]) for k in ("after", "stepped") for n in bare[r][k])
+
+
+def test_a_model_built_from_its_config_is_rank0s_initialisation_on_every_rank():
+    # training from scratch: `accelerate_memsafe.from_config` initialises on rank 0 only (rank 1 builds on meta, no
+    # memory), each rank seeded differently; every rank ends with rank 0's initialisation, and one step is the
+    # one-process step of that model, bitwise
+    from transformers import AutoModelForCausalLM
+
+    from accelerate_memsafe.models import llama_config
+
+    results = run_on_ranks(w.prepare_from_config, 2, init_process_group=False, timeout=240)
+    want = results[0]["before"]
+    assert not any(results[0]["on_meta"]) and all(results[1]["on_meta"])
+    assert results[0]["training"] and results[1]["training"]  # as transformers' from_config returns it
+    torch.manual_seed(1000)  # rank 0's seed: its initialisation, rebuilt in one process
+    model = AutoModelForCausalLM.from_config(llama_config("tiny"))
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    for rank, res in enumerate(results):
+        assert [n for n in want if not torch.equal(res["after"][n], want[n])] == [], f"rank {rank}"
+        assert [n for n, p in model.named_parameters() if not torch.equal(res["stepped"][n], p)] == [], f"rank {rank}"

@@ -211,3 +211,30 @@ _NEW_HEAD_RUNS = {
     "stock_crel": ("stock", "transformers", True),
     "no_stages_crel": ([], "transformers", True),
 }
+
+
+def prepare_from_config(rank: int, world_size: int) -> dict[str, Any]:
+    """``accelerate_memsafe.from_config`` (training from scratch), each rank seeded differently, then ``prepare`` and
+    one AdamW step on a fixed batch. Returns rank 0's initialisation, whether this rank's parameters were on ``meta``
+    before ``prepare``, and the full parameters after ``prepare`` and after the step."""
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe.models import llama_config
+
+    acc, _ = _accelerator({})
+    torch.manual_seed(1000 + rank)
+    model = accelerate_memsafe.from_config(AutoModelForCausalLM, llama_config("tiny"))
+    out: dict[str, Any] = {
+        "on_meta": [p.is_meta for p in model.parameters()],
+        "training": model.training,
+        "before": {n: p.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    out["after"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(7))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    out["stepped"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return out
