@@ -192,8 +192,8 @@ def _no_input_embeddings_where_undefined(model: torch.nn.Module) -> Iterator[Non
         >>> with _no_input_embeddings_where_undefined(m):
         ...     print(m.get_input_embeddings())
         None
-        >>> "get_input_embeddings" in vars(m)
-        False
+        >>> sorted(n for n in vars(m) if n.startswith("get_"))
+        []
     """
     ask = getattr(model, "get_input_embeddings", None)
     try:
@@ -204,16 +204,29 @@ def _no_input_embeddings_where_undefined(model: torch.nn.Module) -> Iterator[Non
     else:
         yield
         return
-    had = "get_input_embeddings" in vars(model)
-    saved = vars(model).get("get_input_embeddings")
-    object.__setattr__(model, "get_input_embeddings", lambda: None)
+    # transformers' `get_output_embeddings` asks `get_input_embeddings` too (a model whose input embedding raises has no
+    # output embedding to tie): it keeps the answer it gives outside this context
+    answers = {"get_input_embeddings": None, "get_output_embeddings": _answer(model, "get_output_embeddings")}
+    saved = {name: vars(model)[name] for name in answers if name in vars(model)}
+    for name, value in answers.items():
+        object.__setattr__(model, name, lambda value=value: value)
     try:
         yield
     finally:
-        if had:
-            object.__setattr__(model, "get_input_embeddings", saved)
-        else:
-            del model.__dict__["get_input_embeddings"]
+        for name in answers:
+            if name in saved:
+                object.__setattr__(model, name, saved[name])
+            else:
+                del model.__dict__[name]
+
+
+def _answer(model: torch.nn.Module, method: str) -> Any:
+    """``model.<method>()``, ``None`` where the model has no such method or it raises ``NotImplementedError``."""
+    ask = getattr(model, method, None)
+    try:
+        return ask() if ask is not None else None
+    except NotImplementedError:
+        return None
 
 
 def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device | None = None) -> Any:
