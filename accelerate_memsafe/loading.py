@@ -223,7 +223,9 @@ def _check_loading_info(path: Any, info: dict[str, Any], model: torch.nn.Module,
              else "its config.json names no class it was saved from (`architectures`)")
     hint = (f"A checkpoint must hold every tensor of the model when {where}: re-save the checkpoint, or load it "
             "with the class it was saved from; for a head of another shape (another number of labels), pass "
-            "`ignore_mismatched_sizes=True`, as to transformers.")
+            "`ignore_mismatched_sizes=True`, as to transformers. To take transformers' random initialisation of "
+            "the missing tensors anyway, load with transformers' `from_pretrained` on every rank: `prepare` then "
+            "sends rank 0's to every rank.")
     raise_if_mismatched(str(path), missing=[] if new_head else missing, unexpected=[] if new_head else unexpected,
                         wrong=[] if ignore_mismatched else wrong, hint=hint)
     fresh = missing + (wrong if ignore_mismatched else [])
