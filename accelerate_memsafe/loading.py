@@ -198,8 +198,9 @@ def _check_checkpoint(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> None
 
 
 def _check_loading_info(path: Any, info: dict[str, Any], model: torch.nn.Module, *, ignore_mismatched: bool = False) -> None:
-    """Refuses a load that transformers completed with missing, unexpected or mismatched tensors (it would
-    initialise the missing ones randomly and only log a warning), but for the two loads where transformers means them:
+    """Refuses a load that transformers completed with missing or mismatched tensors (it would initialise them
+    randomly and only log a warning), but for the two loads where transformers means them (tensors of the checkpoint
+    the model does not use are dropped, with a warning, as transformers does):
 
     - a checkpoint saved from another class than the one loaded (its ``config.architectures`` does not name it): a
       base model or another task's head loaded under a new head (``AutoModelForSequenceClassification`` from a causal
@@ -226,8 +227,10 @@ def _check_loading_info(path: Any, info: dict[str, Any], model: torch.nn.Module,
             "`ignore_mismatched_sizes=True`, as to transformers. To take transformers' random initialisation of "
             "the missing tensors anyway, load with transformers' `from_pretrained` on every rank: `prepare` then "
             "sends rank 0's to every rank.")
-    raise_if_mismatched(str(path), missing=[] if new_head else missing, unexpected=[] if new_head else unexpected,
-                        wrong=[] if ignore_mismatched else wrong, hint=hint)
+    # tensors of the checkpoint the model does not use are no damage (a config that shrinks the model,
+    # `num_hidden_layers=1`, or another head): transformers drops them with a warning, and so does this
+    raise_if_mismatched(str(path), missing=[] if new_head else missing, wrong=[] if ignore_mismatched else wrong,
+                        hint=hint)
     fresh = missing + (wrong if ignore_mismatched else [])
     if fresh or unexpected:
         logging.getLogger(__name__).warning(

@@ -106,7 +106,11 @@ def test_from_pretrained_refuses(case, pretrained, tmp_path):
 
     from accelerate_memsafe import from_pretrained
 
-    _, layout, damage, pattern = case
+    cid, layout, damage, pattern = case
+    if cid == "missing_and_unexpected_keys":
+        # a tensor of the checkpoint the model does not use is dropped with a warning, as transformers does
+        # (`test_from_pretrained_drops_tensors_the_model_does_not_use`); the missing one is refused
+        pattern = r"1 missing from the checkpoint: \['lm_head.weight'\]\. A checkpoint must hold every tensor"
     d = _copy(pretrained[layout], tmp_path)
     damage(d)
     before = tree_digest(tmp_path)
@@ -114,6 +118,23 @@ def test_from_pretrained_refuses(case, pretrained, tmp_path):
         warnings.simplefilter("ignore")
         from_pretrained(AutoModelForCausalLM, d, dtype=torch.float32)
     assert tree_digest(tmp_path) == before
+
+
+def test_from_pretrained_drops_tensors_the_model_does_not_use(pretrained):
+    # a config that shrinks the model (the first layer of a checkpoint, to start a smaller model from it): the
+    # checkpoint's other layers are not used; transformers drops them with a warning, and so does the loader, giving
+    # bitwise transformers' model
+    from transformers import AutoModelForCausalLM
+
+    from accelerate_memsafe import from_pretrained
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = from_pretrained(AutoModelForCausalLM, pretrained["sharded"], num_hidden_layers=1)
+        want = AutoModelForCausalLM.from_pretrained(pretrained["sharded"], num_hidden_layers=1)
+    assert got.config.num_hidden_layers == 1 and len(got.model.layers) == 1
+    assert got.state_dict().keys() == want.state_dict().keys()
+    assert all(torch.equal(t, want.state_dict()[n]) for n, t in got.state_dict().items())
 
 
 # -- the rank0_distribute safetensors source -----------------------------------------------------------------
