@@ -195,3 +195,35 @@ def test_a_model_built_from_its_config_is_rank0s_initialisation_on_every_rank():
     for rank, res in enumerate(results):
         assert [n for n in want if not torch.equal(res["after"][n], want[n])] == [], f"rank {rank}"
         assert [n for n, p in model.named_parameters() if not torch.equal(res["stepped"][n], p)] == [], f"rank {rank}"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "roberta", "deberta-v2", "qwen3_moe"])
+def test_a_classifier_fine_tuned_from_a_language_model_checkpoint_trains_as_in_one_process(family, tmp_path):
+    # the head each family puts on (GPT-2's `score`, RoBERTa's dense + out_proj, DeBERTa's pooler, a MoE's `score`)
+    # is transformers' random draw on each rank; with the plugin every rank trains rank 0's, bitwise one process
+    import transformers
+
+    from tests.conformance import families as fam
+
+    model_type, auto_class = fam.candidates()[family]
+    config = fam.shrink(family, model_type)
+    config.pad_token_id = 0  # the decoders' classifiers find each sequence's last token by it
+    torch.manual_seed(0)
+    getattr(transformers, auto_class).from_config(config).save_pretrained(tmp_path)
+    cls_name = transformers.AutoModelForSequenceClassification._model_mapping[type(config)].__name__
+    results = run_on_ranks(w.prepare_classifier_family, 2, init_process_group=False, timeout=240, model_dir=str(tmp_path),
+                           cls_name=cls_name)
+    for loader in ("transformers", "memsafe"):
+        want = results[0][loader]["before"]
+        reference = getattr(transformers, cls_name)(transformers.AutoConfig.from_pretrained(tmp_path, num_labels=3))
+        reference.load_state_dict(want, strict=False)  # tied names once each
+        assert all(torch.equal(p, want[n]) for n, p in reference.named_parameters())
+        opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        reference.train()
+        reference(**w.classifier_batch()).loss.backward()
+        opt.step()
+        for rank, res in enumerate(results):
+            got = res[loader]
+            assert [n for n in want if not torch.equal(got["after"][n], want[n])] == [], f"{loader}, rank {rank}"
+            assert [n for n, p in reference.named_parameters() if not torch.equal(got["stepped"][n], p)] == [], \
+                f"{loader}, rank {rank}"

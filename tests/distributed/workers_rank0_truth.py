@@ -238,3 +238,44 @@ def prepare_from_config(rank: int, world_size: int) -> dict[str, Any]:
     opt.step()
     out["stepped"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     return out
+
+
+def prepare_classifier_family(rank: int, world_size: int, *, model_dir: str, cls_name: str) -> dict[str, Any]:
+    """A family's ``...ForSequenceClassification`` (3 labels) from its LM checkpoint, each rank seeded differently,
+    under ``transformer_based_wrap``: transformers' load on every rank with ``cpu_ram_efficient_loading`` and
+    ``accelerate_memsafe.from_pretrained``. Per loader: rank 0's parameters before ``prepare``, the full parameters
+    after it and after one AdamW step on a fixed batch."""
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import accelerate_memsafe
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    cls = getattr(transformers, cls_name)
+    out: dict[str, Any] = {}
+    for loader in ("transformers", "memsafe"):
+        fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True,
+                                                     auto_wrap_policy="transformer_based_wrap")
+        acc = Accelerator(plugins=[MemSafePlugin()], fsdp_plugin=fsdp_plugin)
+        torch.manual_seed(1000 + rank)
+        model = (cls.from_pretrained(model_dir, num_labels=3) if loader == "transformers"
+                 else accelerate_memsafe.from_pretrained(cls, model_dir, num_labels=3))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = acc.prepare(model, opt)
+        after = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+        model.train()
+        model(**classifier_batch()).loss.backward()
+        opt.step()
+        out[loader] = {"before": before, "after": after,
+                       "stepped": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}}
+        del acc, model, opt
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return out
+
+
+def classifier_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {"input_ids": torch.randint(4, 60, (2, 10), generator=g), "labels": torch.tensor([0, 2])}
