@@ -23,6 +23,11 @@ _LOAD_ONLY_KWARGS = (
 )
 
 
+#: How a checkpoint's head of another shape is loaded anyway, as transformers does (both refusals say it).
+_ANOTHER_HEAD = ("for a head of another shape (another number of labels), pass `ignore_mismatched_sizes=True`, "
+                 "as to transformers")
+
+
 def from_pretrained(model_cls: Any, path: str | os.PathLike, **kwargs: Any) -> torch.nn.Module:
     """Loads a transformers model for an FSDP2 ``prepare`` that reads the weights on rank 0 only.
 
@@ -191,9 +196,8 @@ def _check_checkpoint(model_cls: Any, path: Any, kwargs: dict[str, Any]) -> None
     if kwargs.get("ignore_mismatched_sizes"):
         # asked for: transformers initialises the tensors of another shape anew, and never reads them
         state = {n: t for n, t in state.items() if n not in infos or tuple(infos[n].shape) == tuple(t.shape)}
-    validate.check_shapes(infos, {n: tuple(t.shape) for n, t in state.items()}, where=str(path), hint=(
-        "Load a checkpoint saved from the same model (same config); to put a head with another shape on it (another "
-        "number of labels), pass `ignore_mismatched_sizes=True`, as to transformers."))
+    validate.check_shapes(infos, {n: tuple(t.shape) for n, t in state.items()}, where=str(path),
+                          hint=f"Load a checkpoint saved from the same model (same config); {_ANOTHER_HEAD}.")
     validate.check_casts(infos, {n: t.dtype for n, t in state.items()})
 
 
@@ -223,8 +227,7 @@ def _check_loading_info(path: Any, info: dict[str, Any], model: torch.nn.Module,
     where = (f"its config.json names {loaded}, the class loaded" if saved_from
              else "its config.json names no class it was saved from (`architectures`)")
     hint = (f"A checkpoint must hold every tensor of the model when {where}: re-save the checkpoint, or load it "
-            "with the class it was saved from; for a head of another shape (another number of labels), pass "
-            "`ignore_mismatched_sizes=True`, as to transformers. To take transformers' random initialisation of "
+            f"with the class it was saved from; {_ANOTHER_HEAD}. To take transformers' random initialisation of "
             "the missing tensors anyway, load with transformers' `from_pretrained` on every rank: `prepare` then "
             "sends rank 0's to every rank.")
     # tensors of the checkpoint the model does not use are no damage (a config that shrinks the model,
