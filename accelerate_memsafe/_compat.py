@@ -12,6 +12,9 @@
    that the next epoch is built once (``start_next_epoch_fresh``).
 5. ``accelerate.big_modeling._attach_context_parallel_hooks``: its refusal of a model that context parallelism cannot
    run is asked before any stage changes the model (``context_parallel_refusal``).
+6. ``accelerate.utils.modeling._get_parameter_id``: whether accelerate's FSDP2 ``prepare`` tells meta parameters
+   apart when it re-points the optimizer (``optimizer_remapped_by_identity_on_meta``).
+7. ``Accelerator.prepare``'s source: whether FSDP2 takes a model without its optimizer (``fsdp2_prepares_a_model_alone``).
 """
 
 from __future__ import annotations
@@ -31,10 +34,10 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from packaging.version import Version
 
-#: accelerate versions whose internals this module was written and tested against: the whole suite passes on 1.14
-#: and 1.15 (``tests/other_accelerate.sh``); 1.13's FSDP2 prepare keeps bf16 weights under mixed precision, and on 1.12
+#: accelerate versions whose internals this module was written and tested against: the whole suite passes on 1.14,
+#: 1.15 and 1.16 (``tests/other_accelerate.sh``); 1.13's FSDP2 prepare keeps bf16 weights under mixed precision, and on 1.12
 #: and 1.10 resume and reload tests fail (docs/guarantees.md, "Other versions than CI's").
-TESTED_ACCELERATE = (Version("1.14.0"), Version("1.16.0"))
+TESTED_ACCELERATE = (Version("1.14.0"), Version("1.17.0"))
 
 
 def _in_range(version: Version, tested: tuple[Version, Version]) -> bool:
@@ -163,7 +166,10 @@ def fsdp2_wrap(
     check_accelerate_version()
     plugin = copy.copy(fsdp_plugin)
     plugin.cpu_ram_efficient_loading = False
-    plugin.ignored_modules = ignored_modules(plugin.ignored_modules, model, device)
+    resolved = ignored_modules(plugin.ignored_modules, model, device)
+    # accelerate 1.16 moves every listed module to the device (1.15 only the modules a pattern matched): handed
+    # modules already placed, its move is a no-op, so weights left on `meta` for `rank0_distribute` stay there
+    plugin.ignored_modules = None if resolved is None else [_Placed(m) for m in resolved]
     view = SimpleNamespace(
         state=SimpleNamespace(fsdp_plugin=plugin),
         torch_device_mesh=mesh,
@@ -235,26 +241,41 @@ def ignored_modules(spec: Any, model: torch.nn.Module, device: torch.device | No
     A pattern (a ``str``) is matched against ``model.named_modules()`` names with ``re.fullmatch``, as
     ``accelerate.utils.fsdp_utils.get_parameters_from_modules`` does, and each matched module is moved to
     ``device`` as it does (``None``: not moved, a look), except a module holding a tensor on ``meta`` (its weights
-    are filled by ``rank0_distribute``, replicated on every rank: ``fully_shard`` leaves them whole). Anything else
-    (``None``, modules) is returned as given: accelerate takes their parameters without moving them.
+    are filled by ``rank0_distribute``, replicated on every rank: ``fully_shard`` leaves them whole). Modules given
+    as such are placed the same way (accelerate 1.16 moves them too; 1.15 takes their parameters where they are).
 
     Example:
         >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
         >>> [type(x).__name__ for x in ignored_modules("[01]", m, torch.device("cpu"))]
         ['Linear', 'Linear']
     """
-    if not isinstance(spec, str):
-        return spec
-    import re
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        import re
 
-    pattern = re.compile(spec)
-    found = []
-    for name, module in model.named_modules():
-        if pattern.fullmatch(name):
-            if device is not None and not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
-                module.to(device)
-            found.append(module)
+        pattern = re.compile(spec)
+        found = [module for name, module in model.named_modules() if pattern.fullmatch(name)]
+    else:
+        found = list(spec)
+    for module in found:
+        if device is not None and not any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            module.to(device)
     return found
+
+
+class _Placed:
+    """An ignored module as ``accelerate.utils.fsdp_utils.get_parameters_from_modules`` reads it (``.to(device)``,
+    then ``.parameters()``), already placed by :func:`ignored_modules`: its ``.to`` moves nothing."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def to(self, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        return self.module
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters(recurse)
 
 
 @contextlib.contextmanager
@@ -277,13 +298,38 @@ def tp_already_applied(accelerator: Any) -> Iterator[None]:
         del accelerator._prepare_tp
 
 
+def optimizer_remapped_by_identity_on_meta() -> bool:
+    """Whether accelerate's FSDP2 ``prepare`` re-points the optimizer to the sharded parameters by each meta parameter's
+    identity (1.16 on: ``accelerate.utils.modeling._get_parameter_id``, private) rather than by its data pointer, which
+    is 0 for every meta tensor: from 1.16 it maps any number of them right, before one at most.
+    """
+    check_accelerate_version()
+    try:
+        from accelerate.utils.modeling import _get_parameter_id
+    except ImportError:
+        return False
+    return _get_parameter_id(torch.empty(1, device="meta")) != 0
+
+
+@functools.lru_cache(maxsize=None)
+def fsdp2_prepares_a_model_alone() -> bool:
+    """Whether accelerate's FSDP2 ``prepare`` takes a model without its optimizer (1.16 on: a model for evaluation, or
+    one whose optimizer is built from the sharded parameters and prepared with it after); before, it refuses
+    ("a model and optimizer must be passed together"). Read from ``Accelerator.prepare``'s source, once."""
+    import inspect
+
+    check_accelerate_version()
+    return "model_count > 0 and optimizer_count < 1" not in inspect.getsource(accelerate.Accelerator.prepare)
+
+
 def context_parallel_refusal(model: torch.nn.Module) -> str | None:
     """Why accelerate's context parallelism refuses ``model``, or ``None``: accelerate's ``prepare`` raises it first
     thing (``Accelerator._prepare_cp``), before anything moves; with the plugin its stages run before that call, so
     the plugin asks the same check before its first stage. It asks accelerate's own
     ``big_modeling._attach_context_parallel_hooks`` (private), which checks the model's config (a layer that is not full
-    causal attention: sliding-window, chunked, linear) before it attaches hooks, with a view holding the config and no
-    modules: nothing is attached. ``None`` too where this accelerate has no such function or check (before 1.15 it
+    causal attention: sliding-window, chunked, linear; from 1.16 through transformers' ``supports_context_parallel``)
+    before it attaches hooks, with a view holding the config, that answer and no modules: nothing is attached.
+    ``None`` too where this accelerate has no such function or check (before 1.15 it
     refuses no model, and neither does the plugin).
 
     Example:
@@ -297,7 +343,11 @@ def context_parallel_refusal(model: torch.nn.Module) -> str | None:
         from accelerate.big_modeling import _attach_context_parallel_hooks
     except ImportError:
         return None
-    view = type(type(model).__name__, (), {"config": getattr(model, "config", None), "named_modules": lambda self: ()})()
+    # accelerate 1.15 reads the config; 1.16 asks transformers' ``supports_context_parallel`` (a property reading it)
+    attrs = {"config": getattr(model, "config", None), "named_modules": lambda self: ()}
+    if hasattr(model, "supports_context_parallel"):
+        attrs["supports_context_parallel"] = model.supports_context_parallel
+    view = type(type(model).__name__, (), attrs)()
     try:
         _attach_context_parallel_hooks(view)  # the message names the view's class: the model's
     except ValueError as exc:
@@ -401,7 +451,7 @@ def directly_used_children(module_type: type) -> tuple[str, ...]:
 #    index); ``transformers.integrations.accelerate.load_offloaded_parameter`` reads it the same way.
 
 #: transformers versions whose internals the offloaded save was written and tested against.
-TESTED_TRANSFORMERS_CONVERSIONS = (Version("5.23.0"), Version("5.25.0"))
+TESTED_TRANSFORMERS_CONVERSIONS = (Version("5.23.0"), Version("5.26.0"))
 
 
 def check_transformers_version(version: str | None = None) -> bool:
@@ -624,8 +674,8 @@ def checkpoint_file_offset(tensor: torch.Tensor) -> int | None:
 
 #: peft / transformers versions whose ``Trainer._load_best_model`` / ``Trainer._load_from_checkpoint`` (private
 #: methods overridden by ``integrations.trainer.MemSafeTrainerMixin``) and peft save layout were tested.
-TESTED_PEFT = (Version("0.21.0"), Version("0.22.0"))
-TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.25.0"))
+TESTED_PEFT = (Version("0.21.0"), Version("0.23.0"))
+TESTED_TRANSFORMERS = (Version("5.23.0"), Version("5.26.0"))
 
 
 def check_trainer_peft_versions(peft_version: str | None = None, transformers_version: str | None = None) -> bool:

@@ -176,10 +176,13 @@ class MemSafeMixin:
         ctx = self._memsafe_context("prepare", args)
         models = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        if ctx.is_fsdp2 and (bool(models) != bool(optimizers) or len(models) > 1):
+        if ctx.is_fsdp2 and (len(models) > 1 or optimizers and not models
+                             or models and not optimizers and not _compat.fsdp2_prepares_a_model_alone()):
+            # accelerate's own rules (a model alone from 1.16 on), raised before any stage runs
+            alone = " (or a model alone" + ("" if _compat.fsdp2_prepares_a_model_alone() else ", from accelerate 1.16") + ")"
             raise ValueError(
-                "When using FSDP2, exactly one model and its optimizer must be passed together to "
-                f"`Accelerator.prepare()` (got {len(models)} model(s), {len(optimizers)} optimizer(s))."
+                f"When using FSDP2, exactly one model and its optimizer must be passed together to "
+                f"`Accelerator.prepare()`{alone} (got {len(models)} model(s), {len(optimizers)} optimizer(s))."
             )
         ctx.model = models[0][1] if models else None
         ctx.optimizers = [getattr(o, "optimizer", o) for o in optimizers]

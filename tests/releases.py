@@ -21,7 +21,9 @@ def accelerate_refuses_context_parallel_layer_types() -> bool:
     plugin, which asks accelerate's own check (``_compat.context_parallel_refusal``), refuses nothing either."""
     from accelerate.big_modeling import _attach_context_parallel_hooks
 
-    return "does not support attention layers" in inspect.getsource(_attach_context_parallel_hooks)
+    source = inspect.getsource(_attach_context_parallel_hooks)
+    # 1.15 reads the config's layer types itself; 1.16 asks transformers' `supports_context_parallel`, which does
+    return "does not support attention layers" in source or "supports_context_parallel" in source
 
 
 def stock_reloads_a_full_state_dict_adapter() -> bool:

@@ -391,8 +391,9 @@ def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int
     which is 0 for every meta tensor (training runs on the wrong tensors until DCP refuses the first
     ``save_state``); without it the first forward fails ("FSDP parameters should be materialized from meta").
     The one such model it does take right is let through: ``cpu_ram_efficient_loading`` on, nothing on ``meta`` on
-    rank 0, at most one tensor on ``meta`` on every other rank (one data pointer 0 is unambiguous): what transformers
-    gives a rank other than 0 under that setting for a checkpoint that lacks one tensor (a new classification head).
+    rank 0, at most one tensor on ``meta`` on every other rank (one data pointer 0 is unambiguous; any number from
+    accelerate 1.16, which tells them apart by identity): what transformers gives a rank other than 0 under that
+    setting for a checkpoint that lacks tensors (a new classification head).
 
     Args:
         model: The model passed to ``prepare``.
@@ -419,15 +420,25 @@ def refuse_unfilled_meta_weights(model: nn.Module, gap: str | None, *, rank: int
         coll = Collectives("prepare_check", timeout_s=timeout_s)
         everyone = coll.all_gather_object(mine, what="exchange of which ranks hold weights on meta")
     bad = [(r, n, names) for r, n, names in everyone if n]
-    if not bad or broadcast_by_accelerate and all(r != 0 and n == 1 for r, n, _ in bad):
+    if not bad:
         return
     ranks = [r for r, _, _ in bad]
+    if not broadcast_by_accelerate:
+        why = "without `cpu_ram_efficient_loading` it broadcasts nothing, and the first forward fails"
+    elif 0 in ranks:
+        why = "it broadcasts rank 0's weights, and rank 0 holds some on `meta`"
+    else:
+        from .._compat import optimizer_remapped_by_identity_on_meta
+
+        if all(n == 1 for _, n, _ in bad) or optimizer_remapped_by_identity_on_meta():
+            return
+        why = "it re-points the optimizer by data pointer, 0 for every meta tensor"
     r, n, names = bad[0]
     raise ConfigError(
         f"`prepare`: the model holds weights on `meta` (no data) on rank(s) {ranks} ({n} tensor(s) on rank {r}, e.g. "
         f"{', '.join(f'`{x}`' for x in names)}), and no enabled stage will fill them: {gap}. Nothing was moved. "
-        "accelerate's own prepare cannot fill them correctly (it re-points the optimizer by data pointer, 0 for "
-        "every meta tensor). HINT: keep the stages `meta_placement`, `shard` and `rank0_distribute` enabled "
+        f"accelerate's own prepare cannot fill them correctly ({why}). "
+        "HINT: keep the stages `meta_placement`, `shard` and `rank0_distribute` enabled "
         "(the default `MemSafePlugin()`), or load real weights on every rank (transformers' `from_pretrained` "
         "instead of `accelerate_memsafe.from_pretrained`)."
     )

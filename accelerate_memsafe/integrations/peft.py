@@ -13,8 +13,9 @@ tensor.
 
 Key mapping. peft's ``save_pretrained`` writes the keys returned by ``get_peft_model_state_dict`` (adapter
 name removed, ``modules_to_save.<name>.`` collapsed). Rather than re-implementing peft's per-method
-renaming, we call ``get_peft_model_state_dict`` with ``model.state_dict(keep_vars=True)``: the values it
-returns *are* the model's parameters, so the result maps each saved key to the parameter it came from.
+renaming, we call ``get_peft_model_state_dict`` with ``model.state_dict(keep_vars=True)`` (a ``meta`` stand-in for
+each DTensor, which peft 0.22 would gather): the values it returns *are* those objects, so the result maps each saved
+key to the parameter it came from.
 """
 
 from __future__ import annotations
@@ -110,20 +111,33 @@ def adapter_parameter_map(peft_model: Any, adapter_name: str = "default") -> dic
     Raises:
         CheckpointError: If the model has no adapter of that name.
     """
-    from peft.utils import get_peft_model_state_dict
-
     if adapter_name not in peft_model.peft_config:
         raise CheckpointError(
             f"the model has no adapter named {adapter_name!r}; its adapters are {list(peft_model.peft_config)}. "
             "HINT: add it first (`model.add_adapter(name, config)` or `load_adapter`), then reload its weights."
         )
+    return _saved_keys(peft_model, adapter_name, save_embedding_layers=False)
+
+
+def _saved_keys(peft_model: Any, adapter_name: str, *, save_embedding_layers: bool) -> dict[str, tuple[str, torch.Tensor]]:
+    """peft's saved key -> (state-dict name, live tensor), asked of ``get_peft_model_state_dict`` without moving a byte.
+
+    peft 0.22 gathers every DTensor it selects into a full CPU copy (a collective, and the whole adapter in memory on
+    every rank); it is handed a ``meta`` stand-in of each DTensor's global shape instead, and the answer is mapped back
+    to the live tensor by identity.
+    """
+    from peft.utils import get_peft_model_state_dict
+    from torch.distributed.tensor import DTensor
+
     live = peft_model.state_dict(keep_vars=True)
-    names = {id(t): k for k, t in live.items()}
-    saved = get_peft_model_state_dict(peft_model, state_dict=live, adapter_name=adapter_name, save_embedding_layers=False)
+    asked = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, DTensor) else t for k, t in live.items()}
+    names = {id(t): k for k, t in asked.items()}
+    saved = get_peft_model_state_dict(peft_model, state_dict=asked, adapter_name=adapter_name,
+                                      save_embedding_layers=save_embedding_layers)
     out: dict[str, tuple[str, torch.Tensor]] = {}
     for key, tensor in saved.items():
         if isinstance(tensor, torch.Tensor) and id(tensor) in names:
-            out[key] = (names[id(tensor)], tensor)
+            out[key] = (names[id(tensor)], live[names[id(tensor)]])
     return out
 
 
@@ -370,11 +384,8 @@ def _plan_adapter(
     extra = {}
     if any(k not in targets for k in entries):
         # Embedding layers are saved only in some configurations; accept them when the model has them.
-        from peft.utils import get_peft_model_state_dict
-
-        live = peft_model.state_dict(keep_vars=True)
-        with_emb = get_peft_model_state_dict(peft_model, state_dict=live, adapter_name=adapter_name, save_embedding_layers=True)
-        extra = {k: t for k, t in with_emb.items() if k in entries and k not in targets and isinstance(t, torch.Tensor)}
+        with_emb = _saved_keys(peft_model, adapter_name, save_embedding_layers=True)
+        extra = {k: t for k, (_, t) in with_emb.items() if k in entries and k not in targets}
     _check_against(path, entries, {**targets, **extra}, required=targets)
     plan = [(k, targets.get(k, extra.get(k))) for k in entries]
     return path, plan, entries

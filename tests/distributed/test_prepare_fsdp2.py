@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed import workers
+from tests.distributed import workers, workers_prepare
 from tests.spawn import run_on_ranks
 
 
@@ -105,3 +105,32 @@ def test_preflight_counts_the_ranks_that_share_a_cgroup_together(tiny_llama_dir)
         assert res["message"] is not None and res["unchanged"]
         assert "the 2 ranks sharing this limit need" in res["message"]
         assert "available by the cgroup memory.max of /sys/fs/cgroup/pod (test)" in res["message"]
+
+
+def test_a_model_prepared_alone_is_stocks_and_its_optimizer_prepared_after_trains_as_stocks(tiny_llama_dir):
+    # accelerate 1.16 takes an FSDP2 model without its optimizer (to evaluate it, or to build the optimizer from the
+    # sharded parameters and prepare both after, as torchtitan builds it): with the plugin, with either loader, the
+    # evaluation logits and the step after the second `prepare` are stock's bitwise (`transformer_based_wrap` and
+    # activation checkpointing, which the second call must not apply twice); the plugin's stages ran in the first call
+    # and skip in the second. Before 1.16 both refuse the first call, with the same exception type.
+    from accelerate_memsafe import _compat
+
+    runs = ("stock", "plugin", "plugin_memsafe_loader")
+    results = run_on_ranks(workers_prepare.prepare_model_alone, 2, timeout=300, model_dir=str(tiny_llama_dir), runs=runs)
+    if not _compat.fsdp2_prepares_a_model_alone():
+        for res in results:
+            assert "must be passed together" in res["stock"]["error"]
+            assert all("exactly one model and its optimizer" in res[run]["error"] for run in runs[1:])
+        return
+    for rank, res in enumerate(results):
+        stock = res["stock"]
+        assert stock["optimizer_exact"]
+        for run in runs[1:]:
+            got = res[run]
+            assert torch.equal(got["logits"], stock["logits"]), (run, rank)
+            assert [n for n in stock["stepped"] if not torch.equal(got["stepped"][n], stock["stepped"][n])] == [], run
+            assert got["optimizer_exact"], (run, rank)
+            first = dict(got["records"][:len(got["records"]) // 2])
+            second = dict(got["records"][len(got["records"]) // 2:])
+            assert first["shard"] == "ran" and first["meta_placement"] == "ran", (run, first)
+            assert second["shard"] == "skipped" and second["meta_placement"] == "skipped", (run, second)

@@ -350,27 +350,88 @@ def from_pretrained_before_accelerator(rank: int, world_size: int, *, model_dir:
 
 def prepare_meta_without_filling_stages(rank: int, world_size: int, *, model_dir: str) -> list[dict[str, Any]]:
     """``accelerate_memsafe.from_pretrained`` (rank 1 on meta) with pipelines that do not fill meta weights:
-    ``stages=[]`` with ``cpu_ram_efficient_loading=True`` (where stock accelerate trains on the wrong tensors
-    and DCP fails at the first save), and a stage list without the prepare stages. ``prepare`` must refuse on
-    every rank before anything moves."""
+    ``stages=[]`` with ``cpu_ram_efficient_loading=True`` (where stock accelerate before 1.16 trains on the wrong
+    tensors and DCP fails at the first save), a stage list without the prepare stages, and ``stages=[]`` without
+    that setting (where stock fills nothing). Per run: the error and message, whether the parameters are unchanged
+    (or, where it went through, all DTensors), and how many records the report holds."""
+    from accelerate.state import AcceleratorState, GradientState
+    from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
     import accelerate_memsafe
-    from accelerate_memsafe import MemSafePlugin
 
-    acc, _ = _accelerator({"stages": []}, efficient=True)
     out = []
-    for stages in ([], ["atomic_checkpoint", "dataloader_resume"]):
-        acc.memsafe_plugin = MemSafePlugin(stages=stages)
+    for stages, efficient in (([], True), (["atomic_checkpoint", "dataloader_resume"], True), ([], False)):
+        acc, plugin = _accelerator({"stages": stages}, efficient=efficient)
         model = accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         before = {n: (type(p).__name__, p.device.type) for n, p in model.named_parameters()}
         try:
-            acc.prepare(model, opt)
+            model, opt = acc.prepare(model, opt)
             error = message = None
         except Exception as exc:
             error, message = type(exc).__name__, str(exc)
         after = {n: (type(p).__name__, p.device.type) for n, p in model.named_parameters()}
-        out.append({"stages": stages, "error": error, "message": message, "unchanged": before == after,
-                    "records": len(acc.memsafe_plugin.report.records)})
+        out.append({"stages": stages, "efficient": efficient, "error": error, "message": message,
+                    "unchanged": before == after, "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+                    "records": len(plugin.report.records)})
+        del acc
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
+    return out
+
+
+def prepare_model_alone(rank: int, world_size: int, *, model_dir: str, runs: tuple[str, ...]) -> dict[str, Any]:
+    """FSDP2 ``prepare(model)`` without its optimizer (accelerate 1.16 on), under ``transformer_based_wrap`` and
+    activation checkpointing: the logits of an evaluation forward, then (the groups resharded) an AdamW optimizer
+    built from the sharded parameters and ``prepare(model, optimizer)`` called again, one step: the full parameters
+    after it, the prepare records of the report, or the error of the first call. Per run: ``(stages, loader)``, ``stages`` ``"stock"`` for
+    ``MemSafePlugin(stages=[])``, ``loader`` transformers' ``from_pretrained`` or the plugin's."""
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import accelerate_memsafe
+    from accelerate_memsafe import Accelerator, MemSafePlugin
+
+    ids = batch(VOCAB)
+    out: dict[str, Any] = {}
+    for run in runs:
+        stages, loader = {"plugin": (None, "transformers"), "plugin_memsafe_loader": (None, "memsafe"),
+                          "stock": ([], "transformers")}[run]
+        fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, cpu_ram_efficient_loading=True,
+                                              auto_wrap_policy="transformer_based_wrap", activation_checkpointing=True)
+        plugin = MemSafePlugin(stages=stages)
+        acc = Accelerator(plugins=[plugin], fsdp_plugin=fsdp)
+        torch.manual_seed(1000 + rank)
+        model = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32) if loader == "transformers"
+                 else accelerate_memsafe.from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32))
+        try:
+            model = acc.prepare(model)
+        except ValueError as exc:
+            out[run] = {"error": str(exc)}
+        else:
+            model.eval()
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits.detach().clone()
+            # FSDP2 keeps the groups made with reshard_after_forward=False (the root, accelerate's [norm, head] tail)
+            # gathered after a forward: shard them again before building the optimizer from the parameters
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            model.train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, opt = acc.prepare(model, opt)
+            acc.backward(model(input_ids=ids, labels=ids).loss)
+            opt.step()
+            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+            held = sorted(id(p) for g in opt.param_groups for p in g["params"])
+            out[run] = {"logits": logits, "stepped": full, "optimizer_exact": held == sorted(id(p) for p in model.parameters()),
+                        "records": [(r.stage, r.status) for r in plugin.report.records if r.hook == "prepare"]}
+        del acc
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
     return out

@@ -210,6 +210,7 @@ _NEW_HEAD_RUNS = {
     "stock": ("stock", "transformers", False),
     "stock_crel": ("stock", "transformers", True),
     "no_stages_crel": ([], "transformers", True),
+    "no_stages_crel_memsafe_loader": ([], "memsafe", True),
 }
 
 

@@ -142,7 +142,7 @@ def test_context_parallel_refusal_is_accelerates_own_and_attaches_nothing():
         theirs = str(exc)
     assert mine == theirs
     if releases.accelerate_refuses_context_parallel_layer_types():
-        assert mine is not None and "(model MistralForCausalLM)" in mine
+        assert mine is not None and "MistralForCausalLM" in mine
 
 
 def test_checkpoint_file_offset_is_where_torch_save_wrote_the_tensors_bytes(tmp_path):

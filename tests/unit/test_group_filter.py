@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -301,11 +303,26 @@ def test_layer_classes_the_model_does_not_contain_are_left_out_of_transformer_wr
     p = plugin()
     assert resolve_wrap_policy(p, _with_no_split(nn.Sequential(nn.Linear(2, 2)), ["Linear"])) == []
     assert p.transformer_cls_names_to_wrap == ["Linear"]
-    # classes the user named, and a model with none of the listed classes: accelerate's own error
+    # classes the user named: accelerate's own error
     with pytest.raises(ValueError, match="Could not find the transformer layer class CrossAttention"):
         resolve_wrap_policy(plugin(transformer_cls_names_to_wrap=["Linear", "CrossAttention"]), m)
-    with pytest.raises(ValueError, match="Could not find the transformer layer class CrossAttention"):
-        resolve_wrap_policy(plugin(), _with_no_split(nn.Sequential(nn.Linear(2, 2)), ["CrossAttention"]))
+    # a model with none of the listed classes: as accelerate resolves it (1.15 refuses it; 1.16 leaves out the classes
+    # the model does not build, as the policy does, and wraps no layer)
+    none_there = _with_no_split(nn.Sequential(nn.Linear(2, 2)), ["CrossAttention"])
+    stock = plugin()
+    try:
+        stock.set_auto_wrap_policy(none_there)
+        theirs = None
+    except ValueError as exc:
+        theirs = str(exc)
+    mine = plugin()
+    if theirs is None:
+        assert resolve_wrap_policy(mine, none_there) == []
+        assert mine.auto_wrap_policy.keywords == stock.auto_wrap_policy.keywords == {"transformer_layer_cls": set()}
+    else:
+        assert "Could not find the transformer layer class CrossAttention" in theirs
+        with pytest.raises(ValueError, match=re.escape(theirs)):
+            resolve_wrap_policy(mine, none_there)
 
 
 class Undeclared(nn.Module):
