@@ -53,6 +53,10 @@ FAMILIES = {
         {"id": "ignored_modules_ac_bf16", "fsdp": {**TBW, "ignored_modules": r"model\.norm", "activation_checkpointing": True,
                                                     "cpu_ram_efficient_loading": False},
          "mixed_precision": "bf16", "whole": ["model.norm."]},
+        # the modules themselves, as a script that loads the model first passes them: accelerate 1.16 moves each listed
+        # module to the device, which raised on the weights the plugin leaves on meta for rank0_distribute
+        {"id": "ignored_modules_as_modules", "fsdp": TBW, "ignored_module_names": ["model.layers.0.mlp", "model.norm"],
+         "whole": ["model.layers.0.mlp.", "model.norm."]},
         {"id": "reshard_after_forward_false", "fsdp": {**TBW, "reshard_after_forward": False}},
         # torch.compile (dynamo's `eager` backend: no C++ toolchain needed): accelerate compiles after `shard` wrapped
         # the model (stock compiles before fully_shard); the same weights, losses and checkpoints

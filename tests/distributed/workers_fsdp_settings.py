@@ -107,6 +107,8 @@ def _run_cell(auto_name: str, model_dir: str, cell: dict[str, Any], *, stock: bo
         load = cell.get("load", {})
         model = auto.from_pretrained(model_dir, **load) if stock else accelerate_memsafe.from_pretrained(auto, model_dir, **load)
         hooks = _user_hooks(model)
+        if "ignored_module_names" in cell:  # `FullyShardedDataParallelPlugin(ignored_modules=[modules])` of the model
+            acc.state.fsdp_plugin.ignored_modules = [model.get_submodule(n) for n in cell["ignored_module_names"]]
         if "gradient_checkpointing" in cell:  # transformers' own (Trainer's `gradient_checkpointing=True`)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=cell["gradient_checkpointing"])
         frozen = cell.get("freeze", ())  # name prefixes frozen before the optimizer takes the trainable rest
