@@ -44,8 +44,8 @@ FAMILIES = {
         {"id": "mixed_precision_policy", "fsdp": {**TBW, "mixed_precision_policy": MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}},
         # accelerate resolves a pattern by moving each matched module to the device, which raised on the plugin's meta
-        # weights; stock's own cpu_ram_efficient_loading shards them anyway (model.to("meta") replaced the parameters
-        # it was told to ignore), the plugin leaves them whole as fully_shard is told
+        # weights; stock's own cpu_ram_efficient_loading before 1.16 shards them anyway (model.to("meta") replaced the
+        # parameters it was told to ignore; 1.16 collects them after), the plugin leaves them whole as fully_shard is told
         {"id": "ignored_modules", "fsdp": {**TBW, "ignored_modules": r"model\.layers\.0\.mlp|model\.norm"},
          "whole": ["model.layers.0.mlp.", "model.norm."]},
         # the same under activation checkpointing and bf16, against a stock that keeps the setting (no
