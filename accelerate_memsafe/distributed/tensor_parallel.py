@@ -170,25 +170,38 @@ def rehearse_tp_plan(model: torch.nn.Module, planned: dict[str, str], tp: int) -
     layouts: dict[tuple, int] = {}
     for rank in range(tp):
         layouts.setdefault(tuple(_local_shape(model.get_submodule(n), s, tp, rank) for n, s in planned.items()), rank)
-    for shapes, rank in layouts.items():
-        try:  # the copy too: a model holding what cannot be copied (a lock, a process group) cannot be checked
-            skeleton = _meta_copy(model)
-            for name, shape in zip(planned, shapes):
-                _hold(skeleton.get_submodule(name), shape)
-            with _quiet():
-                skeleton(**inputs)
-        except Exception as exc:
-            failed = _first_line(exc)
-            break
-    else:
-        return None
-    try:  # the plan, or the forward on `meta`? The whole model tells
+    unchecked = None
+    # fp32 first (the model's own dtypes), then bf16: torch's grouped matmul (transformers' MoE experts) runs on
+    # `meta` with bf16 inputs only, and a dtype changes no shape
+    for dtype in (None, torch.bfloat16):
+        failed = next(((rank, why) for shapes, rank in layouts.items()
+                       if (why := _meta_forward(model, inputs, dtype, dict(zip(planned, shapes)))) is not None), None)
+        if failed is None:
+            return None
+        whole = _meta_forward(model, inputs, dtype, {})  # the plan, or the forward on `meta`? The whole model tells
+        if whole is None:
+            return (f"the model's forward does not run with its TP plan split over tp={tp} (rank {failed[0]}'s shapes, "
+                    f"on `meta`): {failed[1]}")
+        unchecked = unchecked or whole
+    return (f"the plugin could not check the TP plan against the model's forward: it fails on `meta` without the "
+            f"split too ({unchecked})")
+
+
+def _meta_forward(model: nn.Module, inputs: dict[str, torch.Tensor], dtype: torch.dtype | None,
+                  shapes: dict[str, tuple]) -> str | None:
+    """Why ``model``'s forward fails on a ``meta`` copy (floating tensors as ``dtype``, or their own) whose modules
+    named in ``shapes`` hold those (weight, bias) shapes; ``None`` when it runs."""
+    try:  # the copy too: a model holding what cannot be copied (a lock, a process group) cannot be checked
+        skeleton = _meta_copy(model, dtype)
+        for name, shape in shapes.items():
+            _hold(skeleton.get_submodule(name), shape)
+        if dtype is not None:
+            inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
         with _quiet():
-            _meta_copy(model)(**inputs)
+            skeleton(**inputs)
     except Exception as exc:
-        return (f"the plugin could not check the TP plan against the model's forward: it fails on `meta` without the "
-                f"split too ({_first_line(exc)})")
-    return f"the model's forward does not run with its TP plan split over tp={tp} (rank {rank}'s shapes, on `meta`): {failed}"
+        return _first_line(exc)
+    return None
 
 
 def _local_shape(mod: nn.Module, style: str, tp: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
@@ -216,14 +229,16 @@ def _hold(mod: nn.Module, shapes: tuple[tuple[int, ...], tuple[int, ...] | None]
         mod.bias = nn.Parameter(torch.empty(bias, dtype=mod.bias.dtype, device="meta"), requires_grad=False)
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are on ``meta`` (the model's own tensors are not copied)."""
+def _meta_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on ``meta`` (the model's own tensors are not copied),
+    the floating ones as ``dtype`` where one is given."""
     memo: dict[int, Any] = {}
     for mod in model.modules():
         for tensors in (mod._parameters, mod._buffers):
             for t in tensors.values():
                 if t is not None and id(t) not in memo:
-                    meta = torch.empty_like(t, device="meta")
+                    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                    meta = torch.empty_like(t, device="meta", dtype=cast)
                     memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
     return copy.deepcopy(model, memo)
 

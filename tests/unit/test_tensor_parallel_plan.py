@@ -131,6 +131,39 @@ def test_a_forward_that_fails_on_meta_without_the_split_too_leaves_the_plan_unch
     assert "could not check" in tp_plan_problem(Net(PLAN), 2) and "dummy_inputs" in tp_plan_problem(Net(PLAN), 2)
 
 
+class GroupedExperts(Runnable):
+    """:class:`Runnable` with experts no plan splits, run through torch's grouped matmul as transformers' MoE
+    experts are: on ``meta`` it takes bf16 inputs only, so the model's fp32 forward fails there, split or not."""
+
+    def __init__(self, plan: dict[str, str], *, scale: bool = False) -> None:
+        super().__init__(plan, scale=scale)
+        self.wide, self.narrow = nn.Linear(4, 16), nn.Linear(8, 4)  # widths the grouped matmul's strides accept
+        self.experts = nn.Parameter(torch.randn(3, 16, 8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.layers:
+            up = block.up(h)
+            h = h + block.down(up * self.scale if self.scale is not None else up)
+        tokens = self.wide(h).reshape(-1, 16)
+        offs = torch.tensor([1, 2, tokens.shape[0]], dtype=torch.int32, device=h.device)
+        return self.head(self.narrow(torch._grouped_mm(tokens, self.experts, offs=offs)))
+
+
+def test_a_forward_that_runs_on_meta_in_bf16_only_is_rehearsed_in_bf16():
+    model = GroupedExperts(PLAN)
+    with pytest.raises(RuntimeError, match="BF16"):  # the fp32 forward on `meta`: what the rehearsal got around
+        tensor_parallel._meta_copy(model)(**{k: v.to("meta") for k, v in model.dummy_inputs.items()})
+    model(**model.dummy_inputs)  # the real fp32 forward runs
+    assert tp_plan_problem(model, 2) is None
+    assert tp_plan_problem(GroupedExperts(PLAN), 3) is None  # uneven rows
+    # the bf16 rehearsal still finds a plan the forward does not run with, naming its error
+    problem = tp_plan_problem(GroupedExperts(PLAN, scale=True), 2)
+    assert problem.startswith("the model's forward does not run with its TP plan split over tp=2 (rank 0's shapes")
+    assert "RuntimeError" in problem and "BF16" not in problem
+    assert next(model.parameters()).dtype == torch.float32 and not next(model.parameters()).is_meta  # untouched
+
+
 def test_a_planned_module_torchs_styles_do_not_apply_to_is_named():
     model = Runnable({**PLAN, "layers.*": "colwise"})
     assert "the TP plan names `layers.0`, a Block" in tp_plan_problem(model, 2)
