@@ -103,14 +103,17 @@ class Runnable(Net):
     def dummy_inputs(self) -> dict[str, torch.Tensor]:
         return {"ids": torch.tensor([[1, 2, 3]])}
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def trunk(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids)
         if self.broken:
             h = h.view(7, -1)  # fails with or without the split
         for block in self.layers:
             up = block.up(h)
             h = h + block.down(up * self.scale if self.scale is not None else up)
-        return self.head(h)
+        return h
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(ids))
 
 
 @pytest.mark.parametrize("tp", [2, 3])  # 3: uneven rows (3, 3, 2 of 8), two rank shapes rehearsed
@@ -141,12 +144,8 @@ class GroupedExperts(Runnable):
         self.experts = nn.Parameter(torch.randn(3, 16, 8))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.layers:
-            up = block.up(h)
-            h = h + block.down(up * self.scale if self.scale is not None else up)
-        tokens = self.wide(h).reshape(-1, 16)
-        offs = torch.tensor([1, 2, tokens.shape[0]], dtype=torch.int32, device=h.device)
+        tokens = self.wide(self.trunk(ids)).reshape(-1, 16)
+        offs = torch.tensor([1, 2, tokens.shape[0]], dtype=torch.int32, device=ids.device)
         return self.head(self.narrow(torch._grouped_mm(tokens, self.experts, offs=offs)))
 
 
