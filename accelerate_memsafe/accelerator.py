@@ -9,6 +9,7 @@ from typing import Any
 
 import accelerate
 import torch
+import torch.distributed as dist
 
 from . import _compat, walk
 from .errors import ConfigError
@@ -112,8 +113,6 @@ class MemSafeMixin:
 
     # -- context ----------------------------------------------------------------------------------
     def _memsafe_context(self, hook: str, args: tuple = (), kwargs: dict | None = None) -> HookContext:
-        import torch.distributed as dist
-
         initialized = dist.is_available() and dist.is_initialized()
         state = self.state
         return HookContext(
@@ -126,9 +125,11 @@ class MemSafeMixin:
             kwargs=dict(kwargs or {}),
             models=list(self._models),
             optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
-            fsdp_plugin=getattr(state, "fsdp_plugin", None),
-            is_fsdp2=bool(self.is_fsdp2),
-            mixed_precision=self.mixed_precision,
+            # AcceleratorState keeps its attributes in one shared dict; `getattr(state, name, None)` of one it lacks
+            # goes through its `__getattr__`, which builds an error message to be discarded
+            fsdp_plugin=vars(state).get("fsdp_plugin"),
+            is_fsdp2=bool(state.is_fsdp2),
+            mixed_precision=state.mixed_precision,
             mesh=getattr(self, "torch_device_mesh", None),
             scratch={
                 "parallelism_config": getattr(self, "parallelism_config", None),
@@ -290,8 +291,6 @@ class MemSafeMixin:
     # -- points where a background checkpoint commit is settled -------------------------------------
     def _memsafe_settle(self) -> None:
         """Ends the last ``save_state``'s background commit on every rank (raises its error on every rank)."""
-        import torch.distributed as dist
-
         initialized = dist.is_available() and dist.is_initialized()
         plugin = self.memsafe_plugin
         plugin.pipeline.background.settle(rank=dist.get_rank() if initialized else 0,
@@ -374,8 +373,6 @@ def _ready_for_hooks() -> None:
     starts the waiter of the ranks' agreements (with its own connection to the store) and runs the kernel checks behind
     the in-place proof of ``prepare`` (what the pagemap reports). Each is otherwise done by the first hook that needs
     it, on its path."""
-    import torch.distributed as dist
-
     from .distributed.collectives import ready_to_agree
     from .io.mapped_pages import check_kernel_support
     from .memory.limits import find_own_groups

@@ -7,6 +7,7 @@ run before it (at the same hook), the stages it must ``run_before`` when both ar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -17,7 +18,8 @@ import torch
 
 from . import walk
 from .background import BackgroundWork, process_work
-from .errors import PipelineError
+from .distributed.collectives import check_not_abandoned, gc_paused, hook_scope
+from .errors import PeerStageError, PipelineError
 from .memory.limits import cpu_memory_limit
 from .memory.probe import SAMPLE_INTERVAL_S, MemoryProbe, ProbeResult
 from .memory.report import MemoryReport, StageRecord
@@ -393,14 +395,6 @@ class Pipeline:
         )
         exc.add_note(f"[accelerate_memsafe] raised in stage `{stage}` at hook `{ctx.hook}` on rank {ctx.rank}")
 
-    def _skip_reason(self, ctx: HookContext, stage: Stage) -> str | None:
-        start = time.perf_counter() - self.origin
-        try:
-            return stage.skip_reason(ctx)
-        except Exception as exc:
-            self._fail(ctx, stage.name, exc, 0.0, start)
-            raise
-
     def run(self, ctx: HookContext, upstream: Callable[[HookContext], Any]) -> Any:
         """Settles the work the previous hook left in the background (rank 0's checkpoint commit, see
         :class:`~accelerate_memsafe.background.BackgroundWork`; its error is raised here, on every rank), then runs
@@ -421,9 +415,6 @@ class Pipeline:
             CheckpointError: If the previous hook's background commit failed.
         """
 
-        from .distributed.collectives import check_not_abandoned, gc_paused, hook_scope
-        from .errors import PeerStageError
-
         def call_upstream(c: HookContext) -> None:
             c.result = upstream(c)
 
@@ -433,7 +424,9 @@ class Pipeline:
         upstream_entry: list[Any] | None = None
         timeout_s = getattr(ctx.options, "collective_timeout_s", None) or 600.0
         current = "pipeline"
-        with hook_scope(ctx.hook, rank=ctx.rank, world_size=ctx.world_size) as scope:
+        # one process has no peer to tell (`hook_scope` yields None there)
+        scoped = hook_scope(ctx.hook, rank=ctx.rank, world_size=ctx.world_size) if ctx.world_size > 1 else None
+        with scoped or contextlib.nullcontext() as scope:
             peers = scope is not None or ctx.world_size > 1
             try:
                 if scope is not None:
@@ -457,7 +450,11 @@ class Pipeline:
                     walk.thaw(ctx.model)  # the look ends here, also where the caller froze it: the stages change the tree
                     for stage in self.stages.get(ctx.hook, ()):
                         current = stage.name
-                        reason = self._skip_reason(ctx, stage)
+                        try:
+                            reason = stage.skip_reason(ctx)
+                        except Exception as exc:
+                            self._fail(ctx, stage.name, exc, 0.0, time.perf_counter() - self.origin)
+                            raise
                         if reason is not None:
                             self._skips.append(self._skip_record(ctx, stage.name, reason))
                             continue

@@ -463,8 +463,7 @@ def end_process_group(timeout_s: float = 5.0) -> None:
         pass
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+class gc_paused:  # noqa: N801 (used as a function: ``with gc_paused():``)
     """Python's cyclic garbage collector paused for a run of collectives, restored after (reference counting
     still frees every tensor at once). A full collection walks every object of the process (a third of a second
     for a transformers model's 400 000 on a busy 2-core machine) and stalls every rank waiting on this one; it
@@ -478,13 +477,19 @@ def gc_paused() -> Iterator[None]:
         ...     paused = not gc.isenabled()
         >>> paused, gc.isenabled()
         (True, True)
+
+    A class rather than a generator-based context manager: the pipeline enters it twice in every hook call, also in a
+    one-process ``prepare`` of a few milliseconds, where each frame of a generator's protocol counts.
     """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
+
+    __slots__ = ("_was",)
+
+    def __enter__(self) -> None:
+        self._was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._was:
             gc.enable()
 
 
