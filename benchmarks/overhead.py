@@ -517,6 +517,17 @@ def _round_own(ranks: list[dict], hook: str, k: int) -> float | None:
     return None
 
 
+def _round_stock_work(ranks: list[dict], k: int) -> float | None:
+    """Round ``k``'s work that stock does too inside the plugin's ``prepare`` (the most of any rank, as
+    :func:`_round_own` takes off), or ``None`` without it. Set beside stock's own ``prepare`` of the same rounds, it
+    shows what running after the plugin's code does to accelerate's call: in one process that call runs faster
+    inside the hook than alone (the plugin's code has brought back into the caches what the model's construction
+    evicted, which stock's call pays for itself), so the own time there also counts misses that stock pays too;
+    the wall added (the plugin's wall less stock's in the same round) counts them on both sides."""
+    works = [r["default"].get("prepare_stock_work_s") for r in ranks]
+    return max(w[k] for w in works) if all(works) else None
+
+
 def measure_paired(size: str, settings: list[str], launches: int, repeats: int, log=print,
                    load: str = "checkpoint", device: str = "cpu") -> dict:
     """``--paired``: per setting, every round's wall of each path (:func:`_round_wall`); the best and the median over all
@@ -530,6 +541,8 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
         rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in (*HOOKS, "commit_tail_s")}
                                                      for p in ("stock", "default")}
         owns: dict[str, list[float]] = {h: [] for h in HOOKS}
+        added: dict[str, list[float]] = {h: [] for h in HOOKS}  # the plugin's wall less stock's, round by round
+        inside: list[float] = []  # the work stock does too, measured inside the plugin's `prepare` (its own time's base)
         for i in range(launches):
             with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
                 ranks = spawn(_worker, world, (world, "paired", size, repeats, work, ckpt, wrap, device), 1800,
@@ -539,6 +552,9 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
                     values.extend(_round_wall(ranks, path, hook, k) for k in range(repeats))
             for hook in HOOKS:
                 owns[hook].extend(own for k in range(repeats) if (own := _round_own(ranks, hook, k)) is not None)
+                added[hook].extend(_round_wall(ranks, "default", hook, k) - _round_wall(ranks, "stock", hook, k)
+                                   for k in range(repeats))
+            inside.extend(w for k in range(repeats) if (w := _round_stock_work(ranks, k)) is not None)
             log(f"launch {i + 1}/{launches} {setting}: " + ", ".join(
                 f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in HOOKS))
         row = {}
@@ -550,9 +566,12 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
             ratios = [d / s for d, s in zip(rounds["default"][hook], rounds["stock"][hook])]
             row[f"{hook}_ratio_median"] = statistics.median(ratios)
             row[f"{hook}_ratio_best"] = row[f"default_{hook}_best"] / row[f"stock_{hook}_best"]
+            row[f"{hook}_added_median"] = statistics.median(added[hook])
             if owns[hook]:
                 row[f"default_{hook}_own_median"] = statistics.median(owns[hook])
-        rows[setting] = {"rounds": rounds, "own": owns, **row}
+        if inside:
+            row["default_prepare_s_stock_work_median"] = statistics.median(inside)
+        rows[setting] = {"rounds": rounds, "own": owns, "added": added, **row}
     return {"benchmark": "overhead-paired", "size": size, "load": load, "device": device, "launches": launches,
             "repeats": repeats,
             "settings": rows, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -581,19 +600,32 @@ def markdown_paired(doc: dict) -> str:
              f"accelerate and of the default plugin alternated in the same processes, Llama `{doc['size']}` fp32 + "
              f"AdamW{_on_device(doc)}, {doc['launches']} launches x "
              f"{doc['repeats']} rounds, each launch after one uncounted round, a full garbage collection before every "
-             f"timed call ({doc['timestamp']}); a wall is the slowest rank's, but `prepare`'s runs from the last rank's call to the last rank's return; the median ratio is the median over rounds of the plugin's wall over stock's in the same round. The plugin's own time is its wall less the work stock does too, measured inside the same call (`prepare`: accelerate's own call, its FSDP2 wrapping and the release of the unsharded weights, the most of any rank; `save_state`: the most any rank spent outside accelerate's own call; the collections that fall due when the plugin switches the collector back on count in it; none for `load_state`, where a stage does part of accelerate's work in its place):\n",
+             f"timed call ({doc['timestamp']}); a wall is the slowest rank's, but `prepare`'s runs from the last "
+             "rank's call to the last rank's return; the median ratio is the median over rounds of the plugin's "
+             "wall over stock's in the same round, and the wall added the median over rounds of the plugin's wall "
+             "less stock's in the same round. The plugin's own time is its wall less the work stock does too, "
+             "measured inside the same call (`prepare`: accelerate's own call, its FSDP2 wrapping and the release "
+             "of the unsharded weights, the most of any rank; `save_state`: the most any rank spent outside "
+             "accelerate's own call; the collections that fall due when the plugin switches the collector back on "
+             "count in it; none for `load_state`, where a stage does part of accelerate's work in its place), and, "
+             "for `prepare`, that work (the base of the own time) beside stock's median `prepare`:\n",
              "| setting | hook | stock best (s) | plugin best (s) | stock median (s) | plugin median (s) | ratio of bests "
              "| median ratio | plugin commit in background, median (s) | plugin's own time, median (s) "
-             "| own time / stock median (%) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| own time / stock median (%) | wall added, median (s) | wall added / stock median (%) "
+             "| stock's work inside the plugin's call, median (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, r in doc["settings"].items():
         for hook in HOOKS:
             tail = f"{r['default_commit_tail_s_median']:.3f}" if hook == "save_state_s" else "-"
             own = r.get(f"default_{hook}_own_median")
             own_cells = f"{own:.4f} | {100 * own / r[f'stock_{hook}_median']:.1f}" if own is not None else "- | -"
-            lines.append(f"| {setting} | {hook[:-2]} | {r[f'stock_{hook}_best']:.3f} | {r[f'default_{hook}_best']:.3f} "
-                         f"| {r[f'stock_{hook}_median']:.3f} | {r[f'default_{hook}_median']:.3f} "
-                         f"| {r[f'{hook}_ratio_best']:.2f} | {r[f'{hook}_ratio_median']:.2f} | {tail} | {own_cells} |")
+            added = r.get(f"{hook}_added_median")
+            added_cells = f"{added:.4f} | {100 * added / r[f'stock_{hook}_median']:.1f}" if added is not None else "- | -"
+            work = r.get(f"default_{hook}_stock_work_median")
+            lines.append(f"| {setting} | {hook[:-2]} | {r[f'stock_{hook}_best']:.4f} | {r[f'default_{hook}_best']:.4f} "
+                         f"| {r[f'stock_{hook}_median']:.4f} | {r[f'default_{hook}_median']:.4f} "
+                         f"| {r[f'{hook}_ratio_best']:.2f} | {r[f'{hook}_ratio_median']:.2f} | {tail} | {own_cells} "
+                         f"| {added_cells} | {f'{work:.4f}' if work is not None else '-'} |")
     return "\n".join(lines) + "\n<!-- /table -->\n"
 
 

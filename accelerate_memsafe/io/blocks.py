@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import _compat
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """A rank's block of a tensor: the offset and the size in each dimension."""
 
@@ -17,10 +19,10 @@ def local_block(param: Any) -> Box | str:
     Example:
         >>> # local_block(model.lm_head.weight)  # on rank 1 of 2, FSDP2: ((rows of rank 0, 0), (rows, hidden))
     """
-    chunks = param.__create_chunk_list__()
+    chunks = _compat.dtensor_chunks(param)
     if len(chunks) != 1:
         return f"its local tensor is {len(chunks)} blocks of the global one ({param.placements})"
-    offsets, sizes = tuple(int(x) for x in chunks[0].offsets), tuple(int(x) for x in chunks[0].sizes)
+    offsets, sizes = chunks[0]
     local = tuple(param.to_local().shape)
     if local != sizes:
         return f"its local tensor has shape {local}, its placements say {sizes}"

@@ -169,3 +169,18 @@ def test_a_model_context_parallelism_refuses_is_refused_before_anything_moves_as
             assert not res["sharded"] and res["changed"] == [] and res["still_meta"], (path, rank, res)
     assert {r["error"]["type"] for r in got["plugin"]} == {"ConfigError"}
     assert "raised on every rank before `prepare` changed anything" in got["plugin"][0]["error"]["message"]
+
+
+def test_the_local_block_of_a_dtensor_is_the_dcp_protocols_without_importing_dcp():
+    # on every rank and placement (uneven rows and columns, FSDP2's strided shard under TP), the block is what DTensor's
+    # __create_chunk_list__ reports and holds the local tensor's values; computing it loaded no torch.distributed.checkpoint
+    # (the protocol imports it: about 2 MiB of private memory inside `prepare`, which stock never pays)
+    results = run_on_ranks(workers_mesh.dtensor_chunks_against_the_protocol, 4, timeout=180)
+    seen = set()
+    for rank, res in enumerate(results):
+        assert res["ours"] == res["protocol"], rank
+        assert all(res["matches"].values()), (rank, res["matches"])
+        assert all(res["blocks"][n] == res["ours"][n][0] for n in res["ours"]), rank
+        assert not res["dcp_loaded_before"] and not res["dcp_loaded_by_ours"], rank
+        seen.add(repr(sorted(res["ours"].items())))
+    assert len(seen) == 4  # four ranks, four different blocks: the cases are not all trivial

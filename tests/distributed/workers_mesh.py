@@ -139,3 +139,37 @@ def prepare_refused_under_cp(rank: int, world_size: int, *, model_dir: str, stag
     out["changed"] = [] if out["sharded"] else sorted(n for n, t in before.items() if not torch.equal(params[n].detach(), t))
     out["still_meta"] = sorted(n for n, p in params.items() if p.is_meta) == metas
     return out
+
+
+def dtensor_chunks_against_the_protocol(rank: int, world_size: int) -> dict[str, Any]:
+    """``_compat.dtensor_chunks`` of DTensors on a 2 x 2 mesh (uneven rows and columns, FSDP2's strided shard under TP)
+    beside DCP's ``__create_chunk_list__``, each block checked against the full tensor; and whether computing them
+    loaded ``torch.distributed.checkpoint`` (the protocol's import, which the helper avoids)."""
+    import sys
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from accelerate_memsafe import _compat
+    from accelerate_memsafe.io.blocks import local_block
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    cases = {"shard0_shard1": ((7, 5), [Shard(0), Shard(1)]), "replicate_shard0": ((7, 5), [Replicate(), Shard(0)]),
+             "shard1_replicate": ((7, 5), [Shard(1), Replicate()]),
+             "strided0_shard0": ((8, 5), [_StridedShard(0, split_factor=2), Shard(0)])}  # torch splits these evenly only
+    fulls = {name: torch.arange(r * c, dtype=torch.float32).reshape(r, c) for name, ((r, c), _) in cases.items()}
+    loaded_before = "torch.distributed.checkpoint" in sys.modules
+    tensors = {name: distribute_tensor(fulls[name], mesh, placements) for name, (_, placements) in cases.items()}
+    ours = {name: _compat.dtensor_chunks(d) for name, d in tensors.items()}
+    blocks = {name: local_block(d) for name, d in tensors.items()}
+    loaded = "torch.distributed.checkpoint" in sys.modules
+    protocol = {name: [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes)) for c in d.__create_chunk_list__()]
+                for name, d in tensors.items()}
+    matches = {}
+    for name, d in tensors.items():
+        (offsets, sizes), local = ours[name][0], d.to_local()
+        window = fulls[name][tuple(slice(o, o + z) for o, z in zip(offsets, sizes))]
+        matches[name] = tuple(local.shape) == sizes and torch.equal(window, local)
+    return {"ours": ours, "protocol": protocol, "blocks": blocks, "matches": matches,
+            "dcp_loaded_before": loaded_before, "dcp_loaded_by_ours": loaded}

@@ -115,6 +115,47 @@ def test_local_numel_reads_the_local_shard_and_falls_back_to_the_public_api():
     assert _compat.local_numel(OnlyPublic()) == 5
 
 
+def test_dtensor_chunks_compute_plain_blocks_and_leave_the_rest_to_dcps_protocol(monkeypatch):
+    import torch
+    import torch.distributed.tensor._utils as dtensor_utils
+
+    class Placement:
+        def __init__(self, partial=False):
+            self.partial = partial
+
+        def is_partial(self):
+            return self.partial
+
+    class Fake:  # what the helper reads of a DTensor; the protocol is the fallback
+        shape, device_mesh = torch.Size([8, 4]), "mesh"
+
+        def __init__(self, local, placements):
+            self._local_tensor, self.placements = local, placements
+
+        def __create_chunk_list__(self):
+            from types import SimpleNamespace
+
+            return [SimpleNamespace(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 1]))] * 2
+
+    asked = []
+
+    def compute(shape, mesh, placements):  # the private function: (sizes, offsets)
+        asked.append((tuple(shape), mesh, len(placements)))
+        return (4, 4), (4, 0)
+
+    monkeypatch.setattr(dtensor_utils, "compute_local_shape_and_global_offset", compute)
+    assert _compat.dtensor_chunks(Fake(torch.zeros(4, 4), [Placement()])) == [((4, 0), (4, 4))]
+    assert asked == [((8, 4), "mesh", 1)]
+    # a partial placement (the protocol refuses it with its own error) or a local tensor subclass: the protocol
+    protocol = [((0, 0), (1, 1))] * 2
+    assert _compat.dtensor_chunks(Fake(torch.zeros(4, 4), [Placement(partial=True)])) == protocol
+    subclass = torch.zeros(4, 4).as_subclass(type("Sub", (torch.Tensor,), {}))
+    assert _compat.dtensor_chunks(Fake(subclass, [Placement()])) == protocol
+    monkeypatch.delattr(dtensor_utils, "compute_local_shape_and_global_offset")  # a torch without it: the protocol
+    assert _compat.dtensor_chunks(Fake(torch.zeros(4, 4), [Placement()])) == protocol
+    assert len(asked) == 1
+
+
 def test_context_parallel_refusal_is_accelerates_own_and_attaches_nothing():
     # differential: the refusal is accelerate's (`_prepare_cp` calls `_attach_context_parallel_hooks` first thing),
     # word for word, for a model with sliding-window layers; a full-attention model is accepted; and asking attaches
