@@ -520,10 +520,10 @@ def _round_own(ranks: list[dict], hook: str, k: int) -> float | None:
 def _round_stock_work(ranks: list[dict], k: int) -> float | None:
     """Round ``k``'s work that stock does too inside the plugin's ``prepare`` (the most of any rank, as
     :func:`_round_own` takes off), or ``None`` without it. Set beside stock's own ``prepare`` of the same rounds, it
-    shows what running after the plugin's code does to accelerate's call: in one process that call runs faster
-    inside the hook than alone (the plugin's code has brought back into the caches what the model's construction
-    evicted, which stock's call pays for itself), so the own time there also counts misses that stock pays too;
-    the wall added (the plugin's wall less stock's in the same round) counts them on both sides."""
+    shows whether running after the plugin's code changes accelerate's call: where that call runs faster inside the
+    hook than alone (in one process, the plugin's code may bring back into the caches what the model's construction
+    evicted, which stock's call pays for itself), the own time also counts misses that stock pays too, while the
+    wall added (the plugin's wall less stock's in the same round) counts them on both sides."""
     works = [r["default"].get("prepare_stock_work_s") for r in ranks]
     return max(w[k] for w in works) if all(works) else None
 
