@@ -510,8 +510,8 @@ def _round_own(ranks: list[dict], hook: str, k: int) -> float | None:
         0.01
     """
     plugin = [r["default"] for r in ranks]
-    if hook == "prepare_s" and all(p.get("prepare_stock_work_s") for p in plugin):
-        return _round_wall(ranks, "default", hook, k) - max(p["prepare_stock_work_s"][k] for p in plugin)
+    if hook == "prepare_s" and (work := _round_stock_work(ranks, k)) is not None:
+        return _round_wall(ranks, "default", hook, k) - work
     if hook == "save_state_s" and all(p.get("save_state_upstream_s") for p in plugin):
         return max(p["save_state_s"][k] - p["save_state_upstream_s"][k] for p in plugin)
     return None
@@ -541,7 +541,6 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
         rounds: dict[str, dict[str, list[float]]] = {p: {h: [] for h in (*HOOKS, "commit_tail_s")}
                                                      for p in ("stock", "default")}
         owns: dict[str, list[float]] = {h: [] for h in HOOKS}
-        added: dict[str, list[float]] = {h: [] for h in HOOKS}  # the plugin's wall less stock's, round by round
         inside: list[float] = []  # the work stock does too, measured inside the plugin's `prepare` (its own time's base)
         for i in range(launches):
             with tempfile.TemporaryDirectory(prefix="memsafe-overhead-") as work:
@@ -552,8 +551,6 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
                     values.extend(_round_wall(ranks, path, hook, k) for k in range(repeats))
             for hook in HOOKS:
                 owns[hook].extend(own for k in range(repeats) if (own := _round_own(ranks, hook, k)) is not None)
-                added[hook].extend(_round_wall(ranks, "default", hook, k) - _round_wall(ranks, "stock", hook, k)
-                                   for k in range(repeats))
             inside.extend(w for k in range(repeats) if (w := _round_stock_work(ranks, k)) is not None)
             log(f"launch {i + 1}/{launches} {setting}: " + ", ".join(
                 f"{p} {h}={[round(v, 3) for v in rounds[p][h][-repeats:]]}" for p in rounds for h in HOOKS))
@@ -566,12 +563,13 @@ def measure_paired(size: str, settings: list[str], launches: int, repeats: int, 
             ratios = [d / s for d, s in zip(rounds["default"][hook], rounds["stock"][hook])]
             row[f"{hook}_ratio_median"] = statistics.median(ratios)
             row[f"{hook}_ratio_best"] = row[f"default_{hook}_best"] / row[f"stock_{hook}_best"]
-            row[f"{hook}_added_median"] = statistics.median(added[hook])
+            row[f"{hook}_added_median"] = statistics.median(
+                d - s for d, s in zip(rounds["default"][hook], rounds["stock"][hook]))
             if owns[hook]:
                 row[f"default_{hook}_own_median"] = statistics.median(owns[hook])
         if inside:
             row["default_prepare_s_stock_work_median"] = statistics.median(inside)
-        rows[setting] = {"rounds": rounds, "own": owns, "added": added, **row}
+        rows[setting] = {"rounds": rounds, "own": owns, **row}
     return {"benchmark": "overhead-paired", "size": size, "load": load, "device": device, "launches": launches,
             "repeats": repeats,
             "settings": rows, "timestamp": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
