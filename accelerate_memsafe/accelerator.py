@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import accelerate
 import torch
 import torch.distributed as dist
+from accelerate.utils import DistributedType
 
 from . import _compat, walk
 from .errors import ConfigError
@@ -106,36 +108,73 @@ def _upstream_overrides(accelerator: Any, scratch: dict) -> Iterator[None]:
             config.automatic_checkpoint_naming = True
 
 
+@dataclass(frozen=True)
+class _Facts:
+    """See :meth:`MemSafeMixin._memsafe_read_facts`."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    fsdp_plugin: Any
+    is_fsdp2: bool
+    mixed_precision: str | None
+    mesh: Any
+    parallelism_config: Any
+    project_configuration: Any
+
+
 class MemSafeMixin:
     """The routing shared by :class:`Accelerator` and accelerators given the plugin by ``attach``."""
 
     memsafe_plugin: MemSafePlugin
 
     # -- context ----------------------------------------------------------------------------------
-    def _memsafe_context(self, hook: str, args: tuple = (), kwargs: dict | None = None) -> HookContext:
-        initialized = dist.is_available() and dist.is_initialized()
-        state = self.state
+    def _memsafe_context(self, hook: str, args: tuple = (), kwargs: dict | None = None, *,
+                         optimizers: list | None = None) -> HookContext:
+        """The context of one hook call; ``optimizers``: the call's own (``prepare``'s arguments), else the ones
+        this accelerator prepared."""
+        facts = self.__dict__.get("_memsafe_facts") or self._memsafe_read_facts()
         return HookContext(
             hook=hook,
-            rank=dist.get_rank() if initialized else 0,
-            world_size=dist.get_world_size() if initialized else 1,
-            device=self.device,
+            rank=facts.rank,
+            world_size=facts.world_size,
+            device=facts.device,
             options=self.memsafe_plugin,
             args=tuple(args),
             kwargs=dict(kwargs or {}),
             models=list(self._models),
-            optimizers=[getattr(o, "optimizer", o) for o in self._optimizers],
+            optimizers=[getattr(o, "optimizer", o) for o in (self._optimizers if optimizers is None else optimizers)],
+            fsdp_plugin=facts.fsdp_plugin,
+            is_fsdp2=facts.is_fsdp2,
+            mixed_precision=facts.mixed_precision or self.state.mixed_precision,
+            mesh=facts.mesh,
+            scratch={"parallelism_config": facts.parallelism_config,
+                     "project_configuration": facts.project_configuration},
+        )
+
+    def _memsafe_read_facts(self) -> _Facts:
+        """What the hooks' contexts read from the accelerator and its state that is fixed once it is built (the
+        process group, the device, the distributed type and its plugin, the mesh, the parallelism and project
+        configurations), read at the first hook call and kept: each read goes through accelerate's properties, a
+        few microseconds warm and tens cold, on every hook call."""
+        initialized = dist.is_available() and dist.is_initialized()
+        state = self.state
+        facts = _Facts(
+            rank=dist.get_rank() if initialized else 0,
+            world_size=dist.get_world_size() if initialized else 1,
+            device=self.device,
             # AcceleratorState keeps its attributes in one shared dict; `getattr(state, name, None)` of one it lacks
             # goes through its `__getattr__`, which builds an error message to be discarded
             fsdp_plugin=vars(state).get("fsdp_plugin"),
             is_fsdp2=bool(state.is_fsdp2),
-            mixed_precision=state.mixed_precision,
+            # fixed once the state is built, except under DeepSpeed, where it follows the selected plugin's config
+            mixed_precision=None if state.distributed_type == DistributedType.DEEPSPEED else state.mixed_precision,
             mesh=getattr(self, "torch_device_mesh", None),
-            scratch={
-                "parallelism_config": getattr(self, "parallelism_config", None),
-                "project_configuration": getattr(self, "project_configuration", None),
-            },
+            parallelism_config=getattr(self, "parallelism_config", None),
+            project_configuration=getattr(self, "project_configuration", None),
         )
+        self.__dict__["_memsafe_facts"] = facts
+        return facts
 
     def _memsafe_finish(self) -> None:
         path = self.memsafe_plugin.report_path
@@ -174,9 +213,9 @@ class MemSafeMixin:
 
     # -- hooks --------------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        ctx = self._memsafe_context("prepare", args)
         models = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        ctx = self._memsafe_context("prepare", args, optimizers=optimizers)
         if ctx.is_fsdp2 and (len(models) > 1 or optimizers and not models
                              or models and not optimizers and not _compat.fsdp2_prepares_a_model_alone()):
             # accelerate's own rules (a model alone from 1.16 on), raised before any stage runs
@@ -186,7 +225,8 @@ class MemSafeMixin:
                 f"`Accelerator.prepare()`{alone} (got {len(models)} model(s), {len(optimizers)} optimizer(s))."
             )
         ctx.model = models[0][1] if models else None
-        ctx.optimizers = [getattr(o, "optimizer", o) for o in optimizers]
+        if ctx.world_size == 1 and not ctx.is_fsdp2:  # nothing walks the tree before a stage runs here
+            return self._memsafe_prepare(ctx, args, models, optimizers, device_placement)
         # the look before any stage runs (the checks here, then the pipeline's preflight, which thaws the tree before
         # its first stage) walks the model's tree once
         with walk.frozen(ctx.model):
@@ -215,19 +255,14 @@ class MemSafeMixin:
                                 probe_hooks_without_stages=pipeline.probe_hooks_without_stages)
 
         def upstream(c: HookContext) -> Any:
-            new_args = list(args)
-            if models:
+            new_args = args
+            if models and c.model is not args[models[0][0]]:
+                new_args = list(args)
                 new_args[models[0][0]] = c.model
-            sharded = c.scratch.get("sharded")
-            groups = [[list(g["params"]) for g in o.param_groups] for o in c.optimizers] if sharded else []
-            plugin = c.fsdp_plugin
-            ac = getattr(plugin, "activation_checkpointing", False) if c.is_fsdp2 and sharded else False
-            if ac:
-                plugin.activation_checkpointing = False  # already applied by `shard`, before fully_shard
-            tp = _compat.tp_already_applied(self) if c.scratch.get("tensor_parallel") else contextlib.nullcontext()
+            if c.scratch.get("sharded") or c.scratch.get("tensor_parallel"):
+                return self._memsafe_prepare_sharded(c, new_args, device_placement)
             try:
-                with tp:
-                    out = super(MemSafeMixin, self).prepare(*new_args, device_placement=device_placement)
+                return super(MemSafeMixin, self).prepare(*new_args, device_placement=device_placement)
             except Exception as exc:
                 if meta_after_failure:
                     from .distributed.meta import meta_weights_failure
@@ -236,20 +271,35 @@ class MemSafeMixin:
                     if named is not None:
                         raise named from exc
                 raise
-            finally:
-                if ac:
-                    plugin.activation_checkpointing = True
-            if sharded:
-                # accelerate re-derives the mapping from data pointers; keep ours, which is by name.
-                for o, saved in zip(c.optimizers, groups):
-                    for g, params in zip(o.param_groups, saved):
-                        g["params"] = params
-            return out
 
         result = pipeline.run(ctx, upstream)
         if pipeline is self.memsafe_plugin.pipeline:
             self._memsafe_finish()
         return result
+
+    def _memsafe_prepare_sharded(self, c: HookContext, args: Any, device_placement: list[bool] | None) -> Any:
+        """accelerate's own ``prepare`` of a model the stages sharded (``shard``) or parallelised: activation
+        checkpointing, already applied before ``fully_shard``, is not applied twice; accelerate's own TP plan is not
+        applied again; the optimizers keep the stages' mapping of their parameters (by name; accelerate re-derives it
+        from data pointers)."""
+        sharded = c.scratch.get("sharded")
+        groups = [[list(g["params"]) for g in o.param_groups] for o in c.optimizers] if sharded else []
+        plugin = c.fsdp_plugin
+        ac = getattr(plugin, "activation_checkpointing", False) if c.is_fsdp2 and sharded else False
+        if ac:
+            plugin.activation_checkpointing = False  # already applied by `shard`, before fully_shard
+        tp = _compat.tp_already_applied(self) if c.scratch.get("tensor_parallel") else contextlib.nullcontext()
+        try:
+            with tp:
+                out = super(MemSafeMixin, self).prepare(*args, device_placement=device_placement)
+        finally:
+            if ac:
+                plugin.activation_checkpointing = True
+        if sharded:
+            for o, saved in zip(c.optimizers, groups):
+                for g, params in zip(o.param_groups, saved):
+                    g["params"] = params
+        return out
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> Any:
         ctx = self._memsafe_context("save_state", kwargs=kwargs)
@@ -387,8 +437,6 @@ def _ready_for_hooks() -> None:
 
 def attach_plugin(accelerator: Any, plugin: MemSafePlugin, *, fsdp_plugin: Any = None) -> Any:
     """See :meth:`MemSafePlugin.attach`."""
-    from accelerate.utils import DistributedType
-
     if isinstance(accelerator, MemSafeMixin):
         raise ValueError("this accelerator already has a MemSafePlugin; build a new Accelerator to change it.")
     if not isinstance(accelerator, accelerate.Accelerator):

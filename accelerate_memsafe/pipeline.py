@@ -90,6 +90,24 @@ class Stage:
         """
         return None
 
+    def fixed_skip_reason(self, ctx: HookContext) -> str | None:
+        """Why this stage skips *every* call of ``ctx.hook`` on this accelerator (``None``: :meth:`skip_reason` decides
+        call by call), decided from what is fixed once the accelerator is built: ``ctx.hook``, ``ctx.world_size``,
+        ``ctx.is_fsdp2`` and the plugin's options, never anything else of ``ctx``. The pipeline asks it once per hook,
+        world size and FSDP2-or-not, and then skips the stage on every such call without asking :meth:`skip_reason`,
+        so the reason must be the one :meth:`skip_reason` would give (a test holds every stage to it): a one-process
+        ``prepare``, where every stage skips, then costs no per-call look at the model, the optimizers or the
+        arguments.
+
+        Example:
+            >>> class Spread(Stage):
+            ...     name, hooks = "spread", ("prepare",)
+            ...     def fixed_skip_reason(self, ctx):
+            ...         return "single process" if ctx.world_size < 2 else None
+            ...     skip_reason = fixed_skip_reason
+        """
+        return None
+
     def run(self, ctx: HookContext) -> StageOutcome | None:
         raise NotImplementedError
 
@@ -300,6 +318,13 @@ def validate_stage_names(
     return {hook: tuple(registry[n] for n in known if hook in registry[n].hooks) for hook in HOOKS}
 
 
+def _fixed_skip_reason(stage: Stage, ctx: HookContext) -> str | None:
+    try:
+        return stage.fixed_skip_reason(ctx)
+    except Exception:
+        return None
+
+
 def _merge(first: ProbeResult, second: ProbeResult) -> ProbeResult:
     """One stage's two parts (``run`` before accelerate's call, ``after`` after it) as one result: the wall
     time is the stage's own (the sum), and each part keeps its own time span in ``segments``, so the
@@ -353,6 +378,7 @@ class Pipeline:
         self.probe_hooks_without_stages = probe_hooks_without_stages
         self.origin = time.perf_counter()
         self.background = process_work()  # one per process: any accelerator's next hook settles it
+        self._fixed: dict[tuple[str, int, bool], tuple[str | None, ...]] = {}
 
     def names(self, hook: str) -> tuple[str, ...]:
         """The stage names that run at ``hook``, in order."""
@@ -415,6 +441,11 @@ class Pipeline:
             CheckpointError: If the previous hook's background commit failed.
         """
 
+        if ctx.world_size == 1 and not self.probe_hooks_without_stages:
+            skipped = self._every_stage_skips(ctx)
+            if skipped is not None:
+                return self._run_upstream_alone(ctx, upstream, skipped)
+
         def call_upstream(c: HookContext) -> None:
             c.result = upstream(c)
 
@@ -448,10 +479,13 @@ class Pipeline:
                         with walk.frozen(ctx.model):  # the look: one walk of the tree serves every check
                             self._preflight(ctx)
                     walk.thaw(ctx.model)  # the look ends here, also where the caller froze it: the stages change the tree
-                    for stage in self.stages.get(ctx.hook, ()):
+                    stages = self.stages.get(ctx.hook, ())
+                    fixed = self._fixed.get((ctx.hook, ctx.world_size, ctx.is_fsdp2)) or self._fixed_reasons(ctx)
+                    for stage, reason in zip(stages, fixed):
                         current = stage.name
                         try:
-                            reason = stage.skip_reason(ctx)
+                            if reason is None:
+                                reason = stage.skip_reason(ctx)
                         except Exception as exc:
                             self._fail(ctx, stage.name, exc, 0.0, time.perf_counter() - self.origin)
                             raise
@@ -502,6 +536,56 @@ class Pipeline:
                 for record in sorted(records, key=lambda r: r.start_s):
                     self.report.add(record)
         return ctx.result
+
+    def _every_stage_skips(self, ctx: HookContext) -> tuple[tuple[str, str], ...] | None:
+        """``(stage, reason)`` of every stage of the hook when each skips this call (``None``: one runs, or a
+        :meth:`Stage.skip_reason` raised, which :meth:`run` then records as it does everywhere)."""
+        fixed = self._fixed.get((ctx.hook, ctx.world_size, ctx.is_fsdp2)) or self._fixed_reasons(ctx)
+        pairs = []
+        for stage, reason in zip(self.stages.get(ctx.hook, ()), fixed):
+            if reason is None:
+                try:
+                    reason = stage.skip_reason(ctx)
+                except Exception:
+                    return None
+                if reason is None:
+                    return None
+            pairs.append((stage.name, reason))
+        return tuple(pairs)
+
+    def _run_upstream_alone(self, ctx: HookContext, upstream: Callable[[HookContext], Any],
+                            skipped: tuple[tuple[str, str], ...]) -> Any:
+        """:meth:`run` of a one-process hook call in which every stage skips: the previous hook's background commit
+        settled, then accelerate's own call, timed (no memory reading: a few milliseconds' call would pay a tenth of
+        its wall for it), and the same records :meth:`run` would add, made when the report is first read."""
+        background = ctx.background = self.background
+        if background.pending is not None:
+            background.settle(rank=ctx.rank, world_size=1,
+                              timeout_s=getattr(ctx.options, "collective_timeout_s", None) or 600.0)
+        walk.thaw(ctx.model)  # as :meth:`run` does before the stages
+        t0 = time.perf_counter()
+        try:
+            ctx.result = upstream(ctx)
+        except Exception as exc:
+            self._failed = []
+            self._fail(ctx, f"accelerate.{ctx.hook}", exc, time.perf_counter() - t0, t0 - self.origin)
+            for stage, reason in skipped:
+                self.report.add(StageRecord(hook=ctx.hook, stage=stage, rank=ctx.rank, status="skipped", reason=reason,
+                                            wall_s=0.0, start_s=t0 - self.origin))
+            self.report.add(self._failed[0])
+            raise
+        wall = time.perf_counter() - t0
+        self.report.add_unprobed(ctx.hook, ctx.rank, skipped, t0 - self.origin, f"accelerate.{ctx.hook}",
+                                 t0 - self.origin, wall)
+        return ctx.result
+
+    def _fixed_reasons(self, ctx: HookContext) -> tuple[str | None, ...]:
+        """Each stage's :meth:`Stage.fixed_skip_reason` for the hook, world size and FSDP2-or-not of ``ctx``, in stage
+        order, asked once and kept (``None`` where it raised: :meth:`Stage.skip_reason` is then asked at every call,
+        and its error recorded as a failure of the stage)."""
+        key = (ctx.hook, ctx.world_size, ctx.is_fsdp2)
+        self._fixed[key] = reasons = tuple(_fixed_skip_reason(s, ctx) for s in self.stages.get(ctx.hook, ()))
+        return reasons
 
     def _preflight(self, ctx: HookContext) -> None:
         """Checks every stage's estimate before any stage runs, and hands the stages what every rank announced

@@ -110,12 +110,50 @@ class MemoryReport:
 
     def __init__(self, records: list[StageRecord] | None = None, not_measured: dict[str, str] | None = None, *,
                  max_timeline_samples: int | None = MAX_TIMELINE_SAMPLES, timelines_dropped: int = 0) -> None:
-        self.records: list[StageRecord] = list(records or [])
+        self._records: list[StageRecord] = list(records or [])
+        self._deferred: list[tuple] = []  # calls added by `add_unprobed`, made into records when first read
         self.not_measured: dict[str, str] = dict(not_measured or {})
         self.max_timeline_samples = max_timeline_samples
         self.timelines_dropped = timelines_dropped
         self._kept: deque[StageRecord] = deque()  # records added with a timeline, oldest first
         self._kept_samples = 0
+
+    @property
+    def records(self) -> list[StageRecord]:
+        """Every record, in the order they were added."""
+        if self._deferred:
+            self._make_deferred()
+        return self._records
+
+    @records.setter
+    def records(self, records: list[StageRecord]) -> None:
+        self._deferred.clear()
+        self._records = records
+
+    def add_unprobed(self, hook: str, rank: int, skipped: tuple[tuple[str, str], ...], skipped_at: float, upstream: str,
+                     start_s: float, wall_s: float) -> None:
+        """Adds the records of a hook call in which every stage was skipped and accelerate's own call (``upstream``,
+        ``"accelerate.prepare"``) was timed, not probed: one ``skipped`` record per ``(stage, reason)``, stamped
+        ``skipped_at``, then the call's (``details={"memory_measured": False}``). The same records :meth:`add` would
+        take, made when the records are first read: a one-process ``prepare`` adds them without building any.
+
+        Example:
+            >>> report = MemoryReport()
+            >>> report.add_unprobed("prepare", 0, (("shard", "not an FSDP2 run"),), 1.0, "accelerate.prepare", 1.5, 0.25)
+            >>> [(r.stage, r.status, r.wall_s, r.segments) for r in report.records]
+            [('shard', 'skipped', 0.0, []), ('accelerate.prepare', 'ran', 0.25, [[1.5, 0.25]])]
+        """
+        self._deferred.append((hook, rank, skipped, skipped_at, upstream, start_s, wall_s))
+
+    def _make_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for hook, rank, skipped, skipped_at, upstream, start_s, wall_s in deferred:
+            for stage, reason in skipped:
+                self._records.append(StageRecord(hook=hook, stage=stage, rank=rank, status="skipped", reason=reason,
+                                                 wall_s=0.0, start_s=skipped_at))
+            self._records.append(StageRecord(hook=hook, stage=upstream, rank=rank, status="ran", reason=None,
+                                             wall_s=wall_s, start_s=start_s, segments=[[start_s, wall_s]],
+                                             details={"memory_measured": False}))
 
     def add(self, record: StageRecord) -> None:
         """Appends one record; empties the timelines of the oldest ones when the report holds more than
@@ -128,7 +166,8 @@ class MemoryReport:
             >>> [len(r.timeline) for r in report.records], report.timelines_dropped
             ([0, 0, 2], 2)
         """
-        self.records.append(record)
+        records = self.records  # the deferred ones first, in their order
+        records.append(record)
         if not record.timeline or self.max_timeline_samples is None:
             return
         self._kept.append(record)

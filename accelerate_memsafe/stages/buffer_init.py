@@ -9,6 +9,7 @@ from .meta_placement import IN_PLACE_KEY
 
 # ctx.scratch key of this rank's buffer claim (model, BufferClaim), from `announce` to `run`
 _CLAIM_KEY = "buffer_init_claim"
+_NOT_FSDP2 = "not an FSDP2 run with a model"
 
 
 class BufferInitStage(Stage):
@@ -28,9 +29,12 @@ class BufferInitStage(Stage):
     requires = ("shard",)
     summary = "recompute/broadcast non-persistent buffers; verify finite + identical"
 
+    def fixed_skip_reason(self, ctx: HookContext) -> str | None:
+        return None if ctx.is_fsdp2 else _NOT_FSDP2
+
     def skip_reason(self, ctx: HookContext) -> str | None:
         if not ctx.is_fsdp2 or ctx.model is None:
-            return "not an FSDP2 run with a model"
+            return _NOT_FSDP2
         if ctx.world_size < 2:
             return "single process: nothing to synchronise"
         return None

@@ -57,6 +57,9 @@ class MetaPlacementStage(Stage):
     completed_by = ("shard", "rank0_distribute")
     summary = "weights to meta before any upcast/copy; rank 0 keeps the source"
 
+    def fixed_skip_reason(self, ctx: HookContext) -> str | None:
+        return None if ctx.is_fsdp2 else fsdp2_prepare_skip_reason(is_fsdp2=False, model=None)
+
     def skip_reason(self, ctx: HookContext) -> str | None:
         # asked up to three times before the stage runs (the accelerator's meta-weight check, `announce`, the
         # pipeline), each a walk over every parameter: the answer is kept for this model in this hook call

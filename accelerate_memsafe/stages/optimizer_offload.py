@@ -7,6 +7,8 @@ import torch
 from ..distributed.optimizer_offload import OptimizerOffload, state_bytes
 from ..pipeline import HookContext, Stage, StageOutcome, ran
 
+_OFF = "`optimizer_offload` is off"
+
 
 class OptimizerOffloadStage(Stage):
     """Once accelerate's ``prepare`` returned, installs step hooks on each prepared optimizer that bring its
@@ -16,9 +18,12 @@ class OptimizerOffloadStage(Stage):
     hooks = ("prepare",)
     summary = "optimizer state on CPU between steps (optimizer_offload=True)"
 
+    def fixed_skip_reason(self, ctx: HookContext) -> str | None:
+        return None if ctx.options.optimizer_offload else _OFF
+
     def skip_reason(self, ctx: HookContext) -> str | None:
         if not ctx.options.optimizer_offload:
-            return "`optimizer_offload` is off"
+            return _OFF
         if not ctx.optimizers:
             return "no optimizer passed to prepare"
         return None

@@ -15,6 +15,8 @@ from ..pipeline import ANNOUNCED_KEY, HookContext, MemoryEstimate, Stage, StageO
 from .meta_placement import IN_PLACE_KEY, PLACED_KEY, SOURCE_KEY, MetaPlacementStage
 from .shard import announced_tp_problem
 
+_NOT_PLACED = "`meta_placement` did not move the weights to meta: they are already in place"
+
 
 class Rank0DistributeStage(Stage):
     """Fills the ``meta`` shards left by ``meta_placement`` + ``shard``: rank 0 reads each tensor (from
@@ -83,12 +85,16 @@ class Rank0DistributeStage(Stage):
         except ValueError:  # a mesh that does not fit the processes: accelerate refuses it before any stage runs
             return None
 
+    def fixed_skip_reason(self, ctx: HookContext) -> str | None:
+        # `meta_placement`, the one stage that moves weights to meta, never runs in one process or without FSDP2
+        return _NOT_PLACED if not ctx.is_fsdp2 or ctx.world_size < 2 else None
+
     def skip_reason(self, ctx: HookContext) -> str | None:
         if ctx.scratch.get(IN_PLACE_KEY):  # set on every rank or on none
             return ("every rank holds rank 0's bytes (unmodified views of one mapped checkpoint): `shard` kept each "
                     "rank's own rows, nothing to send or read")
         if not ctx.scratch.get(PLACED_KEY):  # set on every rank or on none
-            return "`meta_placement` did not move the weights to meta: they are already in place"
+            return _NOT_PLACED
         return None
 
     def run(self, ctx: HookContext) -> StageOutcome:

@@ -42,6 +42,9 @@ class ShardStage(Stage):
     hooks = ("prepare",)
     summary = "apply fully_shard with accelerate's policy; remap optimizers"
 
+    def fixed_skip_reason(self, ctx: HookContext) -> str | None:
+        return None if ctx.is_fsdp2 else fsdp2_prepare_skip_reason(is_fsdp2=False, model=None)
+
     def skip_reason(self, ctx: HookContext) -> str | None:
         return fsdp2_prepare_skip_reason(is_fsdp2=ctx.is_fsdp2, model=ctx.model,
                                          parallelism_config=ctx.scratch.get("parallelism_config"))

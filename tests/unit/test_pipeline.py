@@ -362,3 +362,139 @@ def test_one_process_preflight_waits_for_the_first_stage_that_runs(runs):
     else:
         pipe.run(ctx, lambda c: log.append("upstream"))
         assert log == ["skip_reason:first", "skip_reason:second", "upstream"]
+
+
+def _contexts(hook, world_size, is_fsdp2, options):
+    """Hook contexts of every shape a call can have with these fixed facts: with or without a model, optimizers, a
+    dataloader among the arguments, a checkpoint directory."""
+    from torch.utils.data import DataLoader
+
+    from accelerate_memsafe.models import build_llama
+
+    model = build_llama("tiny")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(list(range(4)), batch_size=2)
+    for with_model in (False, True):
+        for with_opt in (False, True):
+            for with_loader in (False, True):
+                for directory in (None, "/nonexistent/memsafe-ckpt"):
+                    args = tuple(x for x, keep in ((model, with_model), (opt, with_opt), (loader, with_loader)) if keep)
+                    yield HookContext(hook=hook, rank=0, world_size=world_size, device=torch.device("cpu"),
+                                      options=options, args=args, model=model if with_model else None,
+                                      models=[model] if with_model else [], optimizers=[opt] if with_opt else [],
+                                      is_fsdp2=is_fsdp2, directory=directory)
+
+
+def test_a_stages_fixed_skip_reason_is_the_one_its_skip_reason_gives_on_every_call():
+    """The pipeline asks ``fixed_skip_reason`` once per hook, world size and FSDP2-or-not, and then records it on every
+    such call without asking ``skip_reason``: where a stage gives one, its ``skip_reason`` must give the same on every
+    call those facts allow, else the one-process fast path would report (or skip) what the stage would not."""
+    from accelerate_memsafe import MemSafePlugin
+    from accelerate_memsafe.stages import DEFAULT_STAGES, STAGE_REGISTRY
+
+    fixed_seen = set()
+    for options in (MemSafePlugin(progress=False), MemSafePlugin(progress=False, optimizer_offload=True)):
+        for name, cls in STAGE_REGISTRY.items():
+            stage = cls(options)
+            for hook in cls.hooks:
+                for world_size in (1, 2):
+                    for is_fsdp2 in (False, True):
+                        facts = HookContext(hook=hook, rank=0, world_size=world_size, device=torch.device("cpu"),
+                                            options=options, is_fsdp2=is_fsdp2)
+                        fixed = stage.fixed_skip_reason(facts)
+                        if fixed is None:
+                            continue
+                        fixed_seen.add((name, hook, world_size, is_fsdp2, options.optimizer_offload))
+                        for ctx in _contexts(hook, world_size, is_fsdp2, options):
+                            assert stage.skip_reason(ctx) == fixed, (name, hook, world_size, is_fsdp2, ctx.args)
+    # not vacuous: in one process without FSDP2, every default prepare stage but dataloader_resume (which looks for a
+    # dataloader among the arguments) is skipped on facts alone
+    one_process = {n for n, hook, w, f, off in fixed_seen if hook == "prepare" and w == 1 and not f and not off}
+    assert one_process == {n for n in DEFAULT_STAGES if "prepare" in STAGE_REGISTRY[n].hooks} - {"dataloader_resume"}
+    assert ("optimizer_offload", "prepare", 2, True, False) in fixed_seen
+    assert ("optimizer_offload", "prepare", 2, True, True) not in fixed_seen
+
+
+class _FixedSkip(_Log):
+    def fixed_skip_reason(self, ctx):
+        return "fixed: one process" if ctx.world_size < 2 else None
+
+    skip_reason = fixed_skip_reason
+
+
+class _CallSkip(_Log):
+    asked = 0
+
+    def skip_reason(self, ctx):
+        type(self).asked += 1
+        return "not this call"
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_one_process_hook_where_every_stage_skips_records_what_the_general_path_records(monkeypatch, fails):
+    """One process, every stage skipped (some on fixed facts, some call by call): the pipeline's short path (no hook
+    scope, no collector pause, records made when the report is read) adds the same records, in the same order, as the
+    general path, and raises the same error, with the same note, when accelerate's call fails."""
+    log: list[str] = []
+
+    def upstream(ctx):
+        log.append("upstream")
+        if fails:
+            raise ValueError("accelerate refused")
+        return "prepared"
+
+    def run(general):
+        report = MemoryReport()
+        pipe = Pipeline({"save_state": (_FixedSkip("a", log), _CallSkip("b", log), _FixedSkip("c", log))}, report,
+                        probe_hooks_without_stages=False)  # the plugin's default
+        if general:
+            monkeypatch.setattr(pipe, "_every_stage_skips", lambda ctx: None)
+        short_calls = []
+        real = pipe._run_upstream_alone
+        monkeypatch.setattr(pipe, "_run_upstream_alone", lambda *a: short_calls.append(1) or real(*a))
+        if fails:
+            with pytest.raises(ValueError, match="accelerate refused") as info:
+                pipe.run(_ctx(), upstream)
+            assert "raised in stage `accelerate.save_state` at hook `save_state` on rank 0" in info.value.__notes__[0]
+        else:
+            assert pipe.run(_ctx(), upstream) == "prepared"
+        pipe.run(_ctx(), lambda ctx: "again")  # a second call: the fixed reasons are kept, the records follow in order
+        assert len(short_calls) == (0 if general else 2)
+        return report.to_dict()["records"]
+
+    _CallSkip.asked = 0
+    short = run(general=False)
+    assert _CallSkip.asked == 2, "a stage without a fixed reason is asked at every call"
+    general = run(general=True)
+    assert log == ["upstream", "upstream"], "no stage ran on either path"
+
+    def shape(records):
+        # the times differ between two runs; whether each is a measured one, and its span, must not
+        return [{**r, "wall_s": r["wall_s"] > 0, "start_s": None,
+                 "segments": [len(s) for s in r["segments"]]} for r in records]
+
+    assert shape(short) == shape(general)
+    assert [(r["stage"], r["status"]) for r in short] == [
+        ("a", "skipped"), ("b", "skipped"), ("c", "skipped"), ("accelerate.save_state", "failed" if fails else "ran"),
+        ("a", "skipped"), ("b", "skipped"), ("c", "skipped"), ("accelerate.save_state", "ran")]
+    assert short[1]["reason"] == "not this call" and short[0]["reason"] == "fixed: one process"
+    assert [r["start_s"] for r in short] == sorted(r["start_s"] for r in short)
+    assert short[3]["details"] == ({} if fails else {"memory_measured": False})
+
+
+def test_the_short_path_settles_the_previous_hooks_background_work_first():
+    """A one-process hook where every stage skips still ends the work the previous hook left in the background (rank
+    0's checkpoint commit) before accelerate's call, and raises its error there, as every hook does."""
+    from accelerate_memsafe.errors import CheckpointError
+
+    log: list[str] = []
+    pipe = Pipeline({"save_state": (_FixedSkip("a", log),)}, MemoryReport(), probe_hooks_without_stages=False)
+
+    def commit():
+        raise OSError("disk full")
+
+    pipe.background.start("the commit of /ckpt/step_1", commit, rank=0)
+    with pytest.raises(CheckpointError, match="disk full"):
+        pipe.run(_ctx(), lambda ctx: log.append("upstream"))
+    assert log == [] and pipe.background.pending is None
+    assert pipe.run(_ctx(), lambda ctx: "next") == "next"
