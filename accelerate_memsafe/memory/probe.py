@@ -103,13 +103,21 @@ def _device_module(device: torch.device | None):
 class _Sampler:
     """One daemon thread per process samples RSS/RssAnon (and device memory) for every open probe, at the
     shortest ``interval_s`` of the open probes, and sleeps on a condition while none is open: a probe costs no
-    thread start or join (each is a scheduler round trip, milliseconds on a busy machine, on every stage)."""
+    thread start or join (each is a scheduler round trip, milliseconds on a busy machine, on every stage).
+
+    The thread is woken once for a run of probes, not once per probe: the first probe opened while it is idle wakes it;
+    it then takes its first sample one interval later (the probe's own first reading is the sample at its start) and
+    keeps sampling every interval while a probe is open, going idle at the first wake that finds none. A hook's short
+    stages, one after the other, thus wake it once (each wake is a hand-off of the GIL, and on a machine whose cores
+    are all busy a wait for the scheduler too), and a training loop between hooks is never woken."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._probes: list[MemoryProbe] = []
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self._active = False  # the thread is sampling (or about to): a new probe needs no wake
+        self.wakes = 0  # times a probe woke the idle thread (what the tests count)
 
     def start(self) -> None:
         """Starts the thread if this process has none yet (it sleeps until a probe opens)."""
@@ -126,7 +134,10 @@ class _Sampler:
         with self._cond:
             self._start()
             self._probes.append(probe)
-            self._cond.notify()
+            if not self._active:
+                self._active = True
+                self.wakes += 1
+                self._cond.notify()
 
     def remove(self, probe: MemoryProbe) -> None:
         """Once this returns, the thread adds nothing more to ``probe``."""
@@ -136,15 +147,19 @@ class _Sampler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._probes:
+                while not self._active:
                     self._cond.wait()
+                interval = min((probe.interval_s for probe in self._probes), default=SAMPLE_INTERVAL_S)
+            time.sleep(interval)
+            with self._cond:
+                if not self._probes:  # every probe closed since: idle until the next one opens
+                    self._active = False
+                    continue
             mem = read_rss_anon()
             t = time.perf_counter()
             with self._cond:
                 for probe in self._probes:
                     probe._take(t, mem)
-                interval = min((probe.interval_s for probe in self._probes), default=SAMPLE_INTERVAL_S)
-            time.sleep(interval)
 
 
 _SAMPLER = _Sampler()

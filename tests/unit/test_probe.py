@@ -165,3 +165,48 @@ def test_building_the_accelerator_takes_the_processs_first_memory_reading_off_th
     procfs._STATM.clear()
     start_sampler()
     assert str(os.getpid()) in procfs._STATM
+
+
+def test_the_sampling_thread_is_woken_once_for_a_run_of_short_probes_and_idles_after():
+    """A hook's short stages probed one after the other wake the sampling thread once (each wake is a hand-off of the
+    GIL), not once per probe; once every probe closed it goes idle (a training loop between hooks is never woken)."""
+    import time
+
+    from accelerate_memsafe.memory import probe as probe_mod
+
+    sampler = probe_mod._SAMPLER
+    with MemoryProbe(interval_s=0.01):  # the thread is started and active
+        pass
+    deadline = time.monotonic() + 5
+    while sampler._active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not sampler._active, "the thread must go idle once no probe is open"
+    before = sampler.wakes
+    for _ in range(20):
+        with MemoryProbe(track_tensors=False, interval_s=0.05):
+            pass
+    # once, unless the machine held this thread past an interval between two of them (then twice or so); never 20
+    woken = sampler.wakes - before
+    assert woken <= 3, f"twenty probes within one interval woke the thread {woken} times"
+    time.sleep(0.2)
+    assert not sampler._active and sampler.wakes - before == woken
+
+
+def test_a_probe_longer_than_its_interval_is_sampled_by_the_thread():
+    """The thread's first sample comes one interval after the run of probes began, then one every interval: a peak
+    that came and went inside a probe is in its figures though its start and end readings miss it."""
+    import time
+
+    malloc_trim()
+    size = 64 << 20
+    with MemoryProbe(track_tensors=False, interval_s=0.005) as probe:
+        time.sleep(0.02)
+        held = torch.ones(size // 4)
+        time.sleep(0.05)
+        del held
+        malloc_trim()
+        time.sleep(0.03)
+    r = probe.result
+    assert len(r.timeline) > 5, r.timeline
+    assert r.cpu_anon_peak_bytes - r.cpu_anon_start_bytes >= size * 0.9, (r.cpu_anon_peak_bytes, r.cpu_anon_start_bytes)
+    assert r.cpu_anon_delta_bytes < size // 2, "the tensor was freed before the end: the peak came from a thread sample"
