@@ -480,7 +480,7 @@ class Pipeline:
                             self._preflight(ctx)
                     walk.thaw(ctx.model)  # the look ends here, also where the caller froze it: the stages change the tree
                     stages = self.stages.get(ctx.hook, ())
-                    fixed = self._fixed.get((ctx.hook, ctx.world_size, ctx.is_fsdp2)) or self._fixed_reasons(ctx)
+                    fixed = self._fixed_reasons(ctx)
                     for stage, reason in zip(stages, fixed):
                         current = stage.name
                         try:
@@ -540,7 +540,7 @@ class Pipeline:
     def _every_stage_skips(self, ctx: HookContext) -> tuple[tuple[str, str], ...] | None:
         """``(stage, reason)`` of every stage of the hook when each skips this call (``None``: one runs, or a
         :meth:`Stage.skip_reason` raised, which :meth:`run` then records as it does everywhere)."""
-        fixed = self._fixed.get((ctx.hook, ctx.world_size, ctx.is_fsdp2)) or self._fixed_reasons(ctx)
+        fixed = self._fixed_reasons(ctx)
         pairs = []
         for stage, reason in zip(self.stages.get(ctx.hook, ()), fixed):
             if reason is None:
@@ -570,8 +570,7 @@ class Pipeline:
             self._failed = []
             self._fail(ctx, f"accelerate.{ctx.hook}", exc, time.perf_counter() - t0, t0 - self.origin)
             for stage, reason in skipped:
-                self.report.add(StageRecord(hook=ctx.hook, stage=stage, rank=ctx.rank, status="skipped", reason=reason,
-                                            wall_s=0.0, start_s=t0 - self.origin))
+                self.report.add(self._skip_record(ctx, stage, reason, start_s=t0 - self.origin))
             self.report.add(self._failed[0])
             raise
         wall = time.perf_counter() - t0
@@ -584,7 +583,9 @@ class Pipeline:
         order, asked once and kept (``None`` where it raised: :meth:`Stage.skip_reason` is then asked at every call,
         and its error recorded as a failure of the stage)."""
         key = (ctx.hook, ctx.world_size, ctx.is_fsdp2)
-        self._fixed[key] = reasons = tuple(_fixed_skip_reason(s, ctx) for s in self.stages.get(ctx.hook, ()))
+        reasons = self._fixed.get(key)
+        if reasons is None:
+            self._fixed[key] = reasons = tuple(_fixed_skip_reason(s, ctx) for s in self.stages.get(ctx.hook, ()))
         return reasons
 
     def _preflight(self, ctx: HookContext) -> None:
@@ -665,11 +666,12 @@ class Pipeline:
                 "disable the check with `MemSafePlugin(preflight_memory_check=False)`."
             )
 
-    def _skip_record(self, ctx: HookContext, name: str, reason: str) -> StageRecord:
+    def _skip_record(self, ctx: HookContext, name: str, reason: str, *, start_s: float | None = None) -> StageRecord:
         """The record of a stage whose :meth:`Stage.skip_reason` said it does not apply: the reason only. No
-        probe ran, so it has no wall time, memory figure, timeline or time span (``segments`` is empty)."""
+        probe ran, so it has no wall time, memory figure, timeline or time span (``segments`` is empty); it is stamped
+        ``start_s`` (default: now)."""
         return StageRecord(hook=ctx.hook, stage=name, rank=ctx.rank, status="skipped", reason=reason, wall_s=0.0,
-                           start_s=time.perf_counter() - self.origin)
+                           start_s=time.perf_counter() - self.origin if start_s is None else start_s)
 
     def _make_record(
         self, ctx: HookContext, name: str, result: ProbeResult, outcome: StageOutcome, start: float
